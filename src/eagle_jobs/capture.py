@@ -1,0 +1,314 @@
+"""Stage 1, capture: the verifier regenerates every assistant turn of the prompt set.
+
+A training row holds the exact token ids the verifier saw and produced
+(prompt + completion, reasoning included), a loss mask that is 1 on generated
+tokens only, and the parsed reasoning/content text for people. Rows of one
+shard are one JSONL object in the store (docs/FORMAT.md#capture).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from eagle_jobs.errors import BadInput
+from eagle_jobs.progress import console, stage_progress
+from eagle_jobs.prompts import Conversation, load_prompts
+from eagle_jobs.recipe import Recipe
+from eagle_jobs.sharding import chunked, owned, resolve_worker, worker_tag
+from eagle_jobs.store import Stage, Store
+
+STAGE = "capture"
+
+
+@dataclass
+class Turn:
+    """One generation request: a conversation's history up to a user turn."""
+
+    conv: Conversation
+    turn: int
+    messages: list[dict]
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    reasoning: str | None
+    content: str
+    finish_reason: str
+
+
+@dataclass
+class ShardStats:
+    rows: int = 0
+    tokens: int = 0
+    completion_tokens: int = 0
+    skipped_too_long: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+
+def parse_reasoning(text: str, parser: str | None) -> tuple[str | None, str]:
+    """Split <think>...</think> the way vLLM's kimi_k2 / deepseek_r1 parsers do."""
+    if parser is None:
+        return None, text.strip()
+    start, end = "<think>", "</think>"
+    if end in text:
+        before, _, after = text.partition(end)
+        return before.split(start, 1)[-1].strip(), after.strip()
+    if text.lstrip().startswith(start):  # cut off mid-thought
+        return text.split(start, 1)[1].strip(), ""
+    return None, text.strip()
+
+
+def chat_template_kwargs(recipe: Recipe) -> dict:
+    kw = dict(recipe.chat.chat_template_kwargs)
+    if recipe.chat.reasoning_parser is not None:
+        # Kimi templates read `thinking`, Qwen/DeepSeek ones `enable_thinking`.
+        kw.setdefault("thinking", recipe.chat.thinking)
+        kw.setdefault("enable_thinking", recipe.chat.thinking)
+    return kw
+
+
+def make_row(recipe: Recipe, t: Turn, g: Generation) -> dict:
+    ids = (g.prompt_ids + g.completion_ids)[: recipe.limits.max_seq_len]
+    mask = ([0] * len(g.prompt_ids) + [1] * len(g.completion_ids))[: len(ids)]
+    return {
+        "row_id": f"{t.conv.index:08d}-{t.turn:02d}",
+        "prompt_index": t.conv.index,
+        "prompt_sha256": t.conv.sha,
+        "turn": t.turn,
+        "split": t.conv.split,
+        "input_ids": ids,
+        "loss_mask": mask,
+        "num_prompt_tokens": len(g.prompt_ids),
+        "num_completion_tokens": sum(mask),
+        "finish_reason": g.finish_reason,
+        "reasoning": g.reasoning,
+        "content": g.content,
+    }
+
+
+def _start_history(recipe: Recipe, conv: Conversation) -> tuple[list[dict], list[dict]]:
+    msgs = [m for m in conv.messages if m["role"] != "assistant"]
+    history: list[dict] = []
+    if recipe.chat.system_prompt and not any(m["role"] == "system" for m in msgs):
+        history.append({"role": "system", "content": recipe.chat.system_prompt})
+    return history, msgs
+
+
+class TransformersBackend:
+    """In-process batched generation: CPU runs and tests."""
+
+    def __init__(self, recipe: Recipe):
+        from eagle_jobs.verifier import load_verifier
+
+        self.recipe = recipe
+        self.v = load_verifier(recipe.verifier)
+        self.tok = self.v.tokenizer
+        self.kw = chat_template_kwargs(recipe)
+        eos = self.v.model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos if eos is not None else self.tok.eos_token_id])
+
+    def _template(self, messages: list[dict]) -> list[int]:
+        out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **self.kw)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    def _generate(self, batch: list[list[int]], max_new: int) -> list[tuple[list[int], str]]:
+        pad = self.tok.pad_token_id
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        att = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, p in enumerate(batch):  # left padding
+            ids[i, width - len(p):] = torch.tensor(p)
+            att[i, width - len(p):] = 1
+        s = self.recipe.sampling
+        sample = s.temperature > 0
+        with torch.inference_mode():
+            out = self.v.model.generate(
+                input_ids=ids, attention_mask=att, max_new_tokens=max_new, do_sample=sample,
+                temperature=s.temperature if sample else None, top_p=s.top_p if sample else None,
+                top_k=None, pad_token_id=pad, eos_token_id=sorted(self.eos),
+            )
+        res = []
+        for row in out[:, width:].tolist():
+            comp, reason = [], "length"
+            for t in row:
+                comp.append(t)
+                if t in self.eos:
+                    reason = "stop"
+                    break
+            res.append((comp, reason))
+        return res
+
+    def run(self, convs: list[Conversation], stats: ShardStats, advance) -> list[dict]:
+        r, lim = self.recipe, self.recipe.limits
+        torch.manual_seed(r.sampling.seed + (convs[0].index if convs else 0))
+        state = {c.index: _start_history(r, c) for c in convs}
+        pos = {c.index: 0 for c in convs}
+        turn_no = {c.index: 0 for c in convs}
+        rows: list[dict] = []
+        while True:
+            pending: list[tuple[Turn, list[int]]] = []
+            for c in convs:
+                history, msgs = state[c.index]
+                # advance to the next user turn, carrying system/tool turns along
+                while pos[c.index] < len(msgs) and msgs[pos[c.index]]["role"] != "user":
+                    history.append(msgs[pos[c.index]])
+                    pos[c.index] += 1
+                if pos[c.index] >= len(msgs):
+                    continue
+                history.append(msgs[pos[c.index]])
+                pos[c.index] += 1
+                prompt = self._template(history)
+                if len(prompt) > lim.max_prompt_tokens:
+                    stats.skipped_too_long += 1
+                    stats.skipped.append(f"{c.index}:{turn_no[c.index]}")
+                    pos[c.index] = len(msgs)  # later turns would be longer still
+                    continue
+                pending.append((Turn(c, turn_no[c.index], list(history)), prompt))
+                turn_no[c.index] += 1
+            if not pending:
+                return rows
+            pending.sort(key=lambda x: len(x[1]))
+            for batch in chunked(pending, r.capture.batch_size):
+                longest = max(len(p) for _, p in batch)
+                max_new = max(1, min(r.sampling.max_new_tokens, lim.max_seq_len - longest))
+                for (t, prompt), (comp, reason) in zip(batch, self._generate([p for _, p in batch], max_new)):
+                    text = self.tok.decode([x for x in comp if x not in self.eos], skip_special_tokens=r.chat.reasoning_parser is None)
+                    reasoning, content = parse_reasoning(text, r.chat.reasoning_parser)
+                    g = Generation(prompt, comp, reasoning, content, reason)
+                    rows.append(make_row(r, t, g))
+                    state[t.conv.index][0].append({"role": "assistant", "content": content})
+                    advance(0, len(comp))
+
+
+class VllmBackend:
+    """Any vLLM OpenAI-compatible server: /v1/chat/completions with return_token_ids."""
+
+    def __init__(self, recipe: Recipe, base_url: str):
+        self.recipe, self.base = recipe, base_url
+        self.kw = chat_template_kwargs(recipe)
+
+    async def _model_id(self, client) -> str:
+        r = await client.get(f"{self.base}/v1/models")
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+
+    async def _conversation(self, client, model: str, c: Conversation, stats: ShardStats, advance, sem) -> list[dict]:
+        from eagle_jobs.vllm_server import post_with_retries
+
+        r = self.recipe
+        history, msgs = _start_history(r, c)
+        rows, turn = [], 0
+        for m in msgs:
+            history.append(m)
+            if m["role"] != "user":
+                continue
+            # Documented request fields: vllm/entrypoints/openai/chat_completion/protocol.py
+            body = {
+                "model": model, "messages": history, "max_tokens": r.sampling.max_new_tokens,
+                "temperature": r.sampling.temperature, "top_p": r.sampling.top_p,
+                "seed": r.sampling.seed + c.index, "return_token_ids": True,
+            }
+            if self.kw:
+                body["chat_template_kwargs"] = self.kw
+            async with sem:
+                resp = await post_with_retries(client, f"{self.base}/v1/chat/completions", body, r.capture.vllm.max_retries)
+            choice = resp["choices"][0]
+            prompt_ids = list(resp["prompt_token_ids"])
+            if len(prompt_ids) > r.limits.max_prompt_tokens:
+                stats.skipped_too_long += 1
+                stats.skipped.append(f"{c.index}:{turn}")
+                break
+            msg = choice.get("message") or {}
+            g = Generation(prompt_ids, list(choice["token_ids"]), msg.get("reasoning"),
+                           msg.get("content") or "", choice.get("finish_reason") or "stop")
+            rows.append(make_row(r, Turn(c, turn, list(history)), g))
+            history.append({"role": "assistant", "content": g.content})
+            advance(0, len(g.completion_ids))
+            turn += 1
+        return rows
+
+    def run(self, convs: list[Conversation], stats: ShardStats, advance) -> list[dict]:
+        import httpx
+
+        async def main() -> list[dict]:
+            timeout = httpx.Timeout(self.recipe.capture.vllm.request_timeout_s, connect=30)
+            limits = httpx.Limits(max_connections=self.recipe.capture.concurrency)
+            async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+                model = await self._model_id(client)
+                sem = asyncio.Semaphore(self.recipe.capture.concurrency)
+                results = await asyncio.gather(*(self._conversation(client, model, c, stats, advance, sem) for c in convs))
+            return [row for rs in results for row in rs]
+
+        return asyncio.run(main())
+
+
+def shard_name(index: int, num: int, chunk: int) -> str:
+    return f"{worker_tag(index, num)}-{chunk:05d}"
+
+
+def run_capture(recipe: Recipe, store: Store, run_id: str, shard_index: int | None = None,
+                num_shards: int | None = None) -> dict:
+    stage = Stage(store, run_id, STAGE)
+    convs = load_prompts(recipe.prompts)
+    idx, n = resolve_worker(shard_index, num_shards)
+    chunks = chunked(owned(convs, idx, n), recipe.capture.prompts_per_shard)
+    todo = [(k, c) for k, c in enumerate(chunks) if not stage.is_committed(shard_name(idx, n, k))]
+    console.print(f"[bold]capture[/] worker {idx}/{n}: {sum(len(c) for c in chunks)} conversations in "
+                  f"{len(chunks)} shards, {len(chunks) - len(todo)} already committed")
+    totals = ShardStats()
+    if todo:
+        if recipe.capture.backend == "transformers":
+            backend = TransformersBackend(recipe)
+            _capture_shards(recipe, stage, idx, n, todo, backend, totals)
+        else:
+            from eagle_jobs.vllm_server import vllm_endpoint
+
+            with vllm_endpoint(recipe.capture.vllm, recipe.verifier.model) as base:
+                _capture_shards(recipe, stage, idx, n, todo, VllmBackend(recipe, base), totals)
+    summary = {"worker": idx, "num_workers": n, "shards": len(chunks), "rows_written": totals.rows,
+               "skipped_too_long": totals.skipped_too_long}
+    done = stage.mark_worker_done(idx, n, summary)
+    if totals.skipped_too_long:
+        console.print(f"  skipped {totals.skipped_too_long} turns longer than limits.max_prompt_tokens")
+    console.print(f"  capture {'complete' if done else 'worker done'}: {store.url(stage.prefix)}")
+    return summary
+
+
+def _capture_shards(recipe, stage: Stage, idx, n, todo, backend, totals: ShardStats) -> None:
+    with stage_progress("capture", sum(len(c) for _, c in todo), "conversations") as advance:
+        for k, chunk in todo:
+            stats = ShardStats()
+            rows = backend.run(chunk, stats, advance)
+            advance(len(chunk), 0)
+            rows.sort(key=lambda r: r["row_id"])
+            blob = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
+            name = shard_name(idx, n, k)
+            stage.commit_shard(name, {f"{name}.jsonl": blob}, {
+                "rows": len(rows), "tokens": sum(len(r["input_ids"]) for r in rows),
+                "prompt_indices": [c.index for c in chunk], "skipped_too_long": stats.skipped,
+                "verifier": recipe.verifier.model, "backend": recipe.capture.backend,
+            })
+            totals.rows += len(rows)
+            totals.skipped_too_long += stats.skipped_too_long
+
+
+def read_rows(store: Store, run_id: str, require_complete: bool = True) -> list[dict]:
+    """Every committed capture row of a run, in row-id order."""
+    from eagle_jobs.errors import NotReady
+
+    stage = Stage(store, run_id, STAGE)
+    if require_complete and not stage.is_complete():
+        raise NotReady(f"capture of run '{run_id}' is not complete in {store.uri}: run `eagle-jobs capture` first")
+    rows = []
+    for _m, _f, data in stage.iter_objects():
+        for line in data.decode().splitlines():
+            rows.append(json.loads(line))
+    if not rows:
+        raise BadInput(f"capture of run '{run_id}' committed no rows: check the prompt set and limits")
+    return sorted(rows, key=lambda r: r["row_id"])

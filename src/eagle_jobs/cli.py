@@ -1,0 +1,131 @@
+"""`eagle-jobs`: one sub-command per stage, `run` for a whole recipe.
+
+Every failure we can name ends in one line on stderr and an exit code from
+eagle_jobs.errors.ExitCode (documented in docs/OPERATIONS.md#exit-codes).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from eagle_jobs.errors import EagleJobsError, ExitCode
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Train EAGLE-3 drafts for very large verifiers: capture -> extract -> train -> evaluate.")
+
+RecipeOpt = Annotated[Path, typer.Option("--recipe", "-r", help="jobs/<name>.yaml")]
+StoreOpt = Annotated[Optional[str], typer.Option("--store", help="file://... or s3://bucket/prefix (default: the recipe's)")]
+RunOpt = Annotated[Optional[str], typer.Option("--run-id", help="run id (default: the recipe's)")]
+IndexOpt = Annotated[Optional[int], typer.Option("--shard-index", help="this worker (default: $JOB_COMPLETION_INDEX)")]
+NumOpt = Annotated[Optional[int], typer.Option("--num-shards", help="number of workers (default: $EAGLE_JOBS_NUM_SHARDS)")]
+
+
+def _context(recipe_path: Path, store: str | None, run_id: str | None):
+    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.store import Store
+
+    recipe = load_recipe(recipe_path)
+    st = Store.open(store or os.environ.get("EAGLE_JOBS_STORE") or recipe.store.uri)
+    st.check()
+    return recipe, st, run_id or os.environ.get("EAGLE_JOBS_RUN_ID") or recipe.store.run_id
+
+
+@app.command()
+def capture(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
+            shard_index: IndexOpt = None, num_shards: NumOpt = None):
+    """Stage 1: regenerate every assistant turn with the verifier; commit exact token ids."""
+    from eagle_jobs.capture import run_capture
+
+    r, st, rid = _context(recipe, store, run_id)
+    run_capture(r, st, rid, shard_index, num_shards)
+
+
+@app.command()
+def extract(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
+            shard_index: IndexOpt = None, num_shards: NumOpt = None):
+    """Stage 2: hidden states at the aux layers and the final layer, bf16 (or fp8), sharded."""
+    from eagle_jobs.extract import run_extract
+
+    r, st, rid = _context(recipe, store, run_id)
+    run_extract(r, st, rid, shard_index, num_shards)
+
+
+@app.command()
+def train(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
+          max_steps: Annotated[Optional[int], typer.Option(help="stop after this many steps (smoke checks)")] = None):
+    """Stage 3: train the EAGLE-3 draft with speculators on the committed hidden states."""
+    from eagle_jobs.train import run_train
+
+    r, st, rid = _context(recipe, store, run_id)
+    run_train(r, st, rid, max_steps=max_steps)
+
+
+@app.command()
+def evaluate(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
+             prompts: Annotated[Optional[Path], typer.Option(help="prompt file in the capture input format")] = None,
+             output: Annotated[Optional[Path], typer.Option(help="write the report here instead of the store")] = None):
+    """Stage 4: acceptance length under greedy chain speculative decoding."""
+    from eagle_jobs.evaluate import run_evaluate
+
+    r, st, rid = _context(recipe, store, run_id)
+    run_evaluate(r, st, rid, prompts=prompts, output=output)
+
+
+@app.command()
+def run(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
+        stages: Annotated[Optional[str], typer.Option(help="comma-separated subset, e.g. train,evaluate")] = None):
+    """Every stage in order; each is skipped when already committed for this run id."""
+    from eagle_jobs.pipeline import run_pipeline
+
+    r, st, rid = _context(recipe, store, run_id)
+    run_pipeline(r, st, rid, stages.split(",") if stages else None)
+
+
+@app.command()
+def plan(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None):
+    """Estimate tokens, bytes, objects, traffic and time per stage before booking GPUs."""
+    from eagle_jobs.plan import print_plan
+
+    from eagle_jobs.recipe import load_recipe
+
+    print_plan(load_recipe(recipe))
+
+
+@app.command()
+def inspect(checkpoint: Annotated[str, typer.Argument(help="checkpoint directory or store URI")],
+            reference: Annotated[Optional[Path], typer.Option(help="reference config.json to compare with")] = None,
+            verifier_layers: Annotated[Optional[int], typer.Option(help="verifier layer count (default: from its config)")] = None):
+    """Print a draft checkpoint and check it against what vLLM's EAGLE-3 loader needs."""
+    from eagle_jobs.inspect import run_inspect
+
+    code = run_inspect(checkpoint, reference=reference, verifier_layers=verifier_layers)
+    raise typer.Exit(int(code))
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except EagleJobsError as e:
+        print(f"eagle-jobs: error: {e}", file=sys.stderr)
+        sys.exit(int(e.code))
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        print("eagle-jobs: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:  # click usage errors carry their own code
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(int(ExitCode.USAGE))
+        raise
+
+
+if __name__ == "__main__":
+    main()

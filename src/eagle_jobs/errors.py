@@ -1,0 +1,47 @@
+"""Exit codes and the one exception type every stage raises for a clear failure.
+
+Kubernetes maps these (k8s/base/pipeline.yaml podFailurePolicy): BAD_INPUT fails
+the index at once (retrying cannot help); everything else is retried.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    ERROR = 1  # unexpected: a bug or an unhandled library error (retried)
+    USAGE = 2  # command-line usage (typer/click's own code)
+    BAD_INPUT = 3  # bad recipe, prompts, shapes or checkpoint: do not retry
+    STORE = 4  # store unreachable: missing bucket, bad credentials, bad endpoint
+    UNAVAILABLE = 5  # a server never became healthy or kept failing: retry later
+    INCOMPATIBLE = 6  # `inspect`: the checkpoint would not load in vLLM
+    NOT_READY = 7  # an upstream stage is not committed yet
+
+
+class EagleJobsError(Exception):
+    """A failure with one clear line: what, where, what to do."""
+
+    code: ExitCode = ExitCode.ERROR
+
+    def __init__(self, message: str, code: ExitCode | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class BadInput(EagleJobsError):
+    code = ExitCode.BAD_INPUT
+
+
+class StoreError(EagleJobsError):
+    code = ExitCode.STORE
+
+
+class Unavailable(EagleJobsError):
+    code = ExitCode.UNAVAILABLE
+
+
+class NotReady(EagleJobsError):
+    code = ExitCode.NOT_READY

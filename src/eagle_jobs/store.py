@@ -1,0 +1,328 @@
+"""The artifact store every stage reads and writes: file:// or s3:// through fsspec.
+
+Layout (docs/FORMAT.md): <store>/<run-id>/<stage>/
+    data/<shard>.<ext>         shard objects
+    manifests/<shard>.json     written after its data: size and sha256 of each object
+    workers/<i>-of-<n>.json    worker i of n has committed all of its shards
+    COMPLETE.json              the stage is complete (written once every worker is done)
+
+A shard without a manifest does not exist for readers; a rerun skips shards
+whose manifest verifies and redoes the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import fsspec
+
+from eagle_jobs.errors import StoreError
+
+T = TypeVar("T")
+
+# Objects above this go up as a multipart upload with parts sent in parallel.
+MULTIPART_THRESHOLD = int(os.environ.get("EAGLE_JOBS_MULTIPART_BYTES", 64 * 1024**2))
+PART_BYTES = max(5 * 1024**2, int(os.environ.get("EAGLE_JOBS_PART_BYTES", 32 * 1024**2)))
+PARALLEL_PARTS = 8
+RETRIES = int(os.environ.get("EAGLE_JOBS_STORE_RETRIES", 6))
+
+_FATAL_CODES = {
+    "NoSuchBucket", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied",
+    "InvalidBucketName", "AuthorizationHeaderMalformed", "ExpiredToken", "InvalidToken",
+}
+
+
+def _error_code(exc: BaseException) -> str | None:
+    for e in (exc, exc.__cause__, exc.__context__):
+        resp = getattr(e, "response", None)
+        if isinstance(resp, dict):
+            return resp.get("Error", {}).get("Code")
+    return None
+
+
+def _is_transient(exc: BaseException) -> bool:
+    code = _error_code(exc)
+    if code in _FATAL_CODES:
+        return False
+    if isinstance(exc, (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if code in {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "503", "500"}:
+        return True
+    return isinstance(exc, (ConnectionError, TimeoutError, OSError, asyncio.TimeoutError))
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Store:
+    """One store root: a protocol, a filesystem and a root path inside it."""
+
+    uri: str
+    fs: Any
+    root: str
+
+    @classmethod
+    def open(cls, uri: str) -> "Store":
+        if "://" not in uri:
+            uri = "file://" + str(Path(uri).absolute())
+        protocol, _, rest = uri.partition("://")
+        if protocol == "file":
+            root = str(Path(rest).absolute())
+            fs = fsspec.filesystem("file", auto_mkdir=True)
+        elif protocol == "s3":
+            if not rest.strip("/"):
+                raise StoreError(f"store {uri}: no bucket in the URI (use s3://<bucket>/<prefix>)")
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+            client_kwargs = {k: v for k, v in {"endpoint_url": endpoint, "region_name": region}.items() if v}
+            # Credentials come from the standard AWS_* variables (or the pod's role) via botocore.
+            fs = fsspec.filesystem(
+                "s3", client_kwargs=client_kwargs, skip_instance_cache=True,
+                config_kwargs={"retries": {"max_attempts": 2, "mode": "standard"}},
+            )
+            root = rest.rstrip("/")
+        else:
+            raise StoreError(f"store {uri}: unsupported scheme '{protocol}' (use file:// or s3://)")
+        return cls(uri=uri.rstrip("/"), fs=fs, root=root)
+
+    @property
+    def is_s3(self) -> bool:
+        return self.uri.startswith("s3://")
+
+    def path(self, key: str) -> str:
+        return f"{self.root}/{key.lstrip('/')}"
+
+    def url(self, key: str) -> str:
+        return f"{self.uri}/{key.lstrip('/')}"
+
+    # -- retries --------------------------------------------------------------------
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        delay = 0.2
+        for attempt in range(RETRIES + 1):
+            try:
+                return fn()
+            except FileNotFoundError:
+                raise
+            except Exception as e:  # noqa: BLE001 - classified below
+                if not _is_transient(e):
+                    raise self._fatal(what, e) from None
+                if attempt == RETRIES:
+                    raise StoreError(f"store {self.uri}: {what} still failing after {RETRIES} retries: {e}") from None
+                time.sleep(delay * (1 + random.random()))
+                delay = min(delay * 2, 10.0)
+        raise AssertionError("unreachable")
+
+    def _fatal(self, what: str, e: BaseException) -> StoreError:
+        code = _error_code(e) or type(e).__name__
+        hint = {
+            "NoSuchBucket": "create the bucket or fix the store URI",
+            "InvalidAccessKeyId": "check AWS_ACCESS_KEY_ID / the store Secret",
+            "SignatureDoesNotMatch": "check AWS_SECRET_ACCESS_KEY / the store Secret",
+            "AccessDenied": "grant this identity read/write on the bucket",
+        }.get(code, "check the store URI, AWS_ENDPOINT_URL and credentials")
+        return StoreError(f"store {self.uri}: {what} failed ({code}): {hint}")
+
+    def check(self) -> None:
+        """Fail at once, with one line, when the store cannot be used at all."""
+        if not self.is_s3:
+            Path(self.root).mkdir(parents=True, exist_ok=True)
+            return
+        bucket = self.root.split("/", 1)[0]
+        try:
+            self.fs.call_s3("head_bucket", Bucket=bucket)
+        except Exception as e:  # noqa: BLE001
+            code = _error_code(e)
+            if code in {"404", "NoSuchBucket"} or isinstance(e, FileNotFoundError):
+                raise StoreError(f"store {self.uri}: bucket '{bucket}' does not exist: create it or fix the store URI") from None
+            if code in {"403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"} or isinstance(e, PermissionError):
+                raise StoreError(f"store {self.uri}: access to bucket '{bucket}' denied: check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (the store Secret)") from None
+            if _is_transient(e):
+                self._retry("head_bucket", lambda: self.fs.call_s3("head_bucket", Bucket=bucket))
+                return
+            raise self._fatal("head_bucket", e) from None
+
+    # -- objects --------------------------------------------------------------------
+    def put(self, key: str, data: bytes) -> None:
+        """Write one object whole: readers see all of it or nothing."""
+        p = self.path(key)
+        if not self.is_s3:
+            tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
+            Path(p).parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+            return
+        if len(data) > MULTIPART_THRESHOLD:
+            self._retry(f"multipart upload of {key}", lambda: self._multipart(p, data))
+        else:
+            self._retry(f"upload of {key}", lambda: self.fs.pipe_file(p, data))
+
+    def _multipart(self, path: str, data: bytes) -> None:
+        from fsspec.asyn import sync
+
+        bucket, _, key = path.partition("/")
+        sync(self.fs.loop, self._multipart_async, bucket, key, data)
+
+    async def _multipart_async(self, bucket: str, key: str, data: bytes) -> None:
+        fs = self.fs
+        mpu = await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+        upload_id = mpu["UploadId"]
+        sem = asyncio.Semaphore(PARALLEL_PARTS)
+
+        async def part(n: int, start: int) -> dict:
+            async with sem:
+                body = data[start : start + PART_BYTES]
+                r = await fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=n, Body=body)
+                return {"PartNumber": n, "ETag": r["ETag"]}
+
+        try:
+            parts = await asyncio.gather(*(part(i + 1, off) for i, off in enumerate(range(0, len(data), PART_BYTES))))
+            await fs._call_s3(
+                "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
+                MultipartUpload={"Parts": sorted(parts, key=lambda p: p["PartNumber"])},
+            )
+        except BaseException:
+            await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            raise
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Read an object, or the byte range [start, end) of it."""
+        p = self.path(key)
+        return self._retry(f"read of {key}", lambda: self.fs.cat_file(p, start=start, end=end))
+
+    def exists(self, key: str) -> bool:
+        p = self.path(key)
+        return self._retry(f"stat of {key}", lambda: self.fs.exists(p))
+
+    def size(self, key: str) -> int:
+        p = self.path(key)
+        return int(self._retry(f"stat of {key}", lambda: self.fs.size(p)))
+
+    def list(self, prefix: str) -> list[str]:
+        """Keys (relative to the root) of the objects directly under prefix/."""
+        p = self.path(prefix).rstrip("/")
+        if self.is_s3:
+            self.fs.invalidate_cache(p)
+        try:
+            entries = self._retry(f"listing of {prefix}", lambda: self.fs.ls(p, detail=False))
+        except FileNotFoundError:
+            return []
+        out = []
+        for e in entries:
+            rel = e[len(self.root) + 1 :] if e.startswith(self.root + "/") else e
+            if ".tmp-" not in rel:
+                out.append(rel)
+        return sorted(out)
+
+    def delete(self, key: str) -> None:
+        p = self.path(key)
+        try:
+            self._retry(f"delete of {key}", lambda: self.fs.rm(p, recursive=True))
+        except FileNotFoundError:
+            pass
+
+    def put_json(self, key: str, obj: Any) -> None:
+        self.put(key, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+    def get_json(self, key: str) -> Any:
+        return json.loads(self.get(key))
+
+    def download(self, key: str, dest: Path) -> None:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(dest.name + ".part")
+        tmp.write_bytes(self.get(key))
+        os.replace(tmp, dest)
+
+
+class Stage:
+    """The commit protocol of one stage of one run."""
+
+    def __init__(self, store: Store, run_id: str, name: str):
+        self.store, self.run_id, self.name = store, run_id, name
+        self.prefix = f"{run_id}/{name}"
+
+    def key(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}"
+
+    # shards ---------------------------------------------------------------------
+    def commit_shard(self, shard: str, objects: dict[str, bytes], meta: dict) -> dict:
+        """Write the shard's objects, then its manifest: the manifest is the commit."""
+        files = {}
+        for fname, data in objects.items():
+            self.store.put(self.key(f"data/{fname}"), data)
+            files[fname] = {"size": len(data), "sha256": sha256(data)}
+        manifest = {"shard": shard, "stage": self.name, "run_id": self.run_id, "files": files,
+                    "committed_at": time.time(), **meta}
+        self.store.put_json(self.key(f"manifests/{shard}.json"), manifest)
+        return manifest
+
+    def manifest(self, shard: str) -> dict | None:
+        try:
+            return self.store.get_json(self.key(f"manifests/{shard}.json"))
+        except FileNotFoundError:
+            return None
+
+    def is_committed(self, shard: str) -> bool:
+        """A shard counts once its manifest exists and its objects have the stated sizes."""
+        m = self.manifest(shard)
+        if m is None:
+            return False
+        try:
+            return all(self.store.size(self.key(f"data/{f}")) == v["size"] for f, v in m["files"].items())
+        except FileNotFoundError:
+            return False
+
+    def manifests(self) -> list[dict]:
+        out = []
+        for k in self.store.list(self.key("manifests")):
+            if k.endswith(".json"):
+                out.append(self.store.get_json(k))
+        return sorted(out, key=lambda m: m["shard"])
+
+    def read(self, fname: str, verify: dict | None = None) -> bytes:
+        data = self.store.get(self.key(f"data/{fname}"))
+        if verify is not None and sha256(data) != verify["sha256"]:
+            raise StoreError(f"store {self.store.url(self.key('data/' + fname))}: sha256 mismatch with its manifest; rerun the stage")
+        return data
+
+    def iter_objects(self) -> Iterator[tuple[dict, str, bytes]]:
+        for m in self.manifests():
+            for fname, info in m["files"].items():
+                yield m, fname, self.read(fname, info)
+
+    # completion -----------------------------------------------------------------
+    def mark_worker_done(self, index: int, num_workers: int, summary: dict) -> bool:
+        """Record that this worker committed all its shards; complete the stage if it was the last."""
+        self.store.put_json(self.key(f"workers/{index:05d}-of-{num_workers:05d}.json"), summary)
+        done = [k for k in self.store.list(self.key("workers")) if k.endswith(f"-of-{num_workers:05d}.json")]
+        if len(done) >= num_workers:
+            self.complete({"num_workers": num_workers})
+            return True
+        return False
+
+    def complete(self, info: dict) -> None:
+        self.store.put_json(self.key("COMPLETE.json"), {"stage": self.name, "run_id": self.run_id,
+                                                        "completed_at": time.time(), **info})
+
+    def is_complete(self) -> bool:
+        return self.store.exists(self.key("COMPLETE.json"))
+
+    def completion(self) -> dict | None:
+        try:
+            return self.store.get_json(self.key("COMPLETE.json"))
+        except FileNotFoundError:
+            return None

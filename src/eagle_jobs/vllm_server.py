@@ -1,0 +1,88 @@
+"""A vLLM OpenAI-compatible server for the `vllm` backends: external, or started here.
+
+Inside a Job the worker can run `vllm serve` itself as a subprocess: its log is
+forwarded to ours, /health is polled with a deadline long enough for a
+1T-parameter load, and the server is stopped when the stage exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+
+from eagle_jobs.errors import Unavailable
+from eagle_jobs.progress import console
+from eagle_jobs.recipe import VllmServerSpec
+
+
+def wait_healthy(base: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise Unavailable(f"vllm serve exited with code {proc.returncode} before {base}/health answered; see its log above")
+        try:
+            r = httpx.get(f"{base}/health", timeout=5)
+            if r.status_code == 200:
+                return
+            last = f"HTTP {r.status_code}"
+        except httpx.HTTPError as e:
+            last = type(e).__name__
+        time.sleep(min(2.0, max(0.05, deadline - time.monotonic())))
+    raise Unavailable(f"server {base} not healthy after {timeout_s:.0f}s ({last}): check the server log, or raise health_timeout_s in the recipe")
+
+
+@contextmanager
+def vllm_endpoint(spec: VllmServerSpec, model: str, extra_args: list[str] | None = None):
+    """Yields the base URL (http://host:port) of a healthy server."""
+    if spec.endpoint:
+        base = spec.endpoint.rstrip("/").removesuffix("/v1")
+        wait_healthy(base, spec.health_timeout_s)
+        yield base
+        return
+    exe = shutil.which("vllm")
+    if exe is None:
+        raise Unavailable("vllm is not installed here: set <stage>.vllm.endpoint in the recipe, or use the GPU image")
+    cmd = [exe, "serve", model, "--port", str(spec.port), *spec.serve_args, *(extra_args or [])]
+    console.print(f"[bold]starting[/] {' '.join(cmd)}")
+    proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr, start_new_session=True, env=os.environ.copy())
+    base = f"http://127.0.0.1:{spec.port}"
+    try:
+        wait_healthy(base, spec.health_timeout_s, proc)
+        yield base
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def post_with_retries(client: httpx.AsyncClient, url: str, body: dict, retries: int) -> dict[str, Any]:
+    """POST, retrying dropped connections and 5xx with backoff; 4xx is the caller's bug."""
+    delay = 0.5
+    for attempt in range(retries + 1):
+        try:
+            r = await client.post(url, json=body)
+            if r.status_code < 500:
+                if r.status_code >= 400:
+                    raise Unavailable(f"{url}: HTTP {r.status_code}: {r.text[:300]}")
+                return r.json()
+            err = f"HTTP {r.status_code}"
+        except (httpx.TransportError, httpx.RemoteProtocolError) as e:
+            err = type(e).__name__
+        if attempt == retries:
+            raise Unavailable(f"{url}: still failing after {retries} retries ({err}); is the server up?")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 30)
+    raise AssertionError("unreachable")

@@ -1,0 +1,124 @@
+"""Shared fixtures: a real S3 API (moto's server on 127.0.0.1), stores, tiny models."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Small multipart parts so tests exercise parallel multipart uploads.
+os.environ.setdefault("EAGLE_JOBS_MULTIPART_BYTES", str(6 * 1024**2))
+os.environ.setdefault("EAGLE_JOBS_PART_BYTES", str(5 * 1024**2))
+os.environ.setdefault("EAGLE_JOBS_STORE_RETRIES", "3")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """moto in server mode, as s3fs tests itself: a real HTTP S3 API on loopback."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env["AWS_ENDPOINT_URL"]
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.stop()
+
+
+@pytest.fixture
+def bucket(moto_server) -> str:
+    import boto3
+
+    name = f"b-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3", endpoint_url=moto_server).create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture(params=["file", "s3"])
+def store_uri(request, tmp_path) -> str:
+    if request.param == "file":
+        return f"file://{tmp_path}/store"
+    b = request.getfixturevalue("bucket")
+    return f"s3://{b}/runs"
+
+
+@pytest.fixture(scope="session")
+def tiny_kimi(tmp_path_factory) -> Path:
+    from tiny_kimi import build_tiny_kimi
+
+    return build_tiny_kimi(tmp_path_factory.mktemp("tiny-kimi"))
+
+
+def write_prompts(path: Path, n: int = 12, multi_turn_every: int = 4) -> Path:
+    import json
+
+    subjects = ["the sea", "two plus two", "a fox", "photosynthesis", "numbers", "a poem", "the sky", "a dog"]
+    lines = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": f"Tell me about {subjects[i % len(subjects)]} #{i}"}]
+        if multi_turn_every and i % multi_turn_every == 0:
+            msgs += [{"role": "assistant", "content": "old answer"}, {"role": "user", "content": "And more?"}]
+        lines.append(json.dumps({"messages": msgs}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def tiny_recipe(tmp_path, tiny_kimi):
+    """A Kimi-shaped recipe on the tiny verifier, small enough for CPU tests."""
+    from eagle_jobs.recipe import Recipe
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+
+    def make(**over):
+        base = {
+            "name": "tiny",
+            "verifier": {"model": str(tiny_kimi)},
+            "prompts": {"source": str(prompts), "validation": 2},
+            "chat": {"reasoning_parser": "kimi_k2", "thinking": True},
+            "sampling": {"temperature": 0.0, "max_new_tokens": 12},
+            "limits": {"max_prompt_tokens": 200, "max_seq_len": 256},
+            "aux_layer_ids": [1, 2, 3],
+            "capture": {"backend": "transformers", "batch_size": 4, "prompts_per_shard": 4},
+            "extract": {"backend": "transformers", "shard_bytes": 60_000, "batch_tokens": 256},
+            "draft": {"draft_vocab_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+                      "head_dim": 16, "intermediate_size": 128},
+            "train": {"epochs": 2, "lr": 1e-3, "total_seq_len": 256, "ttt_steps": 2},
+            "evaluate": {"num_speculative_tokens": 2, "max_new_tokens": 10},
+            "store": {"uri": f"file://{tmp_path}/store", "run_id": "t"},
+        }
+        for k, v in over.items():
+            if isinstance(v, dict) and isinstance(base.get(k), dict):
+                base[k] = {**base[k], **v}
+            else:
+                base[k] = v
+        return Recipe.model_validate(base)
+
+    return make

@@ -1,0 +1,195 @@
+"""A stand-in for `vllm serve` (vLLM 0.33 cannot run on a CPU machine).
+
+It serves a real transformers model and answers with the fields vLLM 0.33
+documents, field for field, and nothing more. Where each field is defined
+(paths are files of the vllm 0.33.0 wheel):
+
+GET  /health                 -> 200 when ready      vllm/entrypoints/serve/health (api_router)
+GET  /v1/models              -> {"object":"list","data":[{"id","object":"model","owned_by"}]}
+                                                      vllm/entrypoints/openai/models/protocol.py
+POST /v1/chat/completions    request: messages, max_tokens, temperature, top_p, seed,
+                             chat_template_kwargs, return_token_ids
+                             response: id, object="chat.completion", created, model,
+                             choices[].{index, message{role, content, reasoning}, finish_reason,
+                             token_ids}, prompt_token_ids, usage
+                                                      vllm/entrypoints/openai/chat_completion/protocol.py
+                             `message.reasoning` (not reasoning_content) is filled by the
+                             reasoning parser (--reasoning-parser kimi_k2: <think>...</think>,
+                             vllm/parser/kimi_k2.py); token_ids/prompt_token_ids only with
+                             return_token_ids=true.
+POST /v1/completions         request: prompt (token ids), max_tokens, return_token_ids
+                             response: choices[].{index, text, finish_reason, token_ids,
+                             prompt_token_ids}, kv_transfer_params{hidden_states_path}, usage
+                                                      vllm/entrypoints/openai/completion/protocol.py
+                             With --speculative-config method=extract_hidden_states and the
+                             ExampleHiddenStatesConnector, each request writes
+                             {shared_storage_path}/{req_id}.safetensors holding
+                             hidden_states [num_tokens, num_layers, hidden] (model dtype) and
+                             token_ids [num_tokens]; aux id k is the input of decoder layer k,
+                             id == num_hidden_layers the last layer's pre-norm output
+                             (vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py,
+                             docs/features/speculative_decoding/extract_hidden_states.md).
+
+Fault injection for tests: `drop_first` closes that many connections without
+an answer, as a server restarting under load does.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+class FakeVllm:
+    def __init__(self, model_dir: str, served_name: str | None = None, reasoning_parser: str | None = None,
+                 layer_ids: list[int] | None = None, scratch: Path | None = None, drop_first: int = 0,
+                 dtype: torch.dtype = torch.float32):
+        from transformers import AutoTokenizer
+
+        from eagle_jobs.recipe import VerifierSpec
+        from eagle_jobs.verifier import load_verifier_uncached
+
+        # the serving side loads the verifier its own way: the text model only
+        self.v = load_verifier_uncached(VerifierSpec(model=model_dir))
+        self.model = self.v.model.to(dtype)
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.name = served_name or model_dir
+        self.parser = reasoning_parser
+        self.layer_ids = layer_ids
+        self.scratch = scratch
+        self.drop_remaining = drop_first
+        self.lock = threading.Lock()
+        self.requests = 0
+        self.server: ThreadingHTTPServer | None = None
+
+    # -- model ----------------------------------------------------------------------
+    def _greedy(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+        eos = self.tok.eos_token_id
+        with torch.inference_mode():
+            out = self.model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                      pad_token_id=self.tok.pad_token_id, eos_token_id=eos)
+        comp = out[0, len(prompt):].tolist()
+        if eos in comp:
+            return comp[: comp.index(eos) + 1], "stop"
+        return comp, "length"
+
+    def _hidden_states(self, prompt: list[int]) -> torch.Tensor:
+        captured = {}
+        norm = self.model.model.norm
+        h = norm.register_forward_pre_hook(lambda _m, args: captured.__setitem__("final", args[0]))
+        try:
+            with torch.inference_mode():
+                out = self.model(torch.tensor([prompt]), output_hidden_states=True)
+        finally:
+            h.remove()
+        n = self.model.config.num_hidden_layers
+        layers = [captured["final"][0] if k == n else out.hidden_states[k][0] for k in self.layer_ids]
+        return torch.stack(layers, dim=1).contiguous()  # [tokens, layers, hidden]
+
+    def _split_reasoning(self, text: str) -> tuple[str | None, str]:
+        if self.parser is None:
+            return None, text
+        if "</think>" in text:
+            r, _, c = text.partition("</think>")
+            return r.replace("<think>", "").strip(), c.strip()
+        return text.replace("<think>", "").strip(), ""
+
+    # -- endpoints ------------------------------------------------------------------
+    def chat(self, body: dict) -> dict:
+        kw = body.get("chat_template_kwargs") or {}
+        enc = self.tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True, **kw)
+        prompt = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+        with self.lock:
+            comp, finish = self._greedy(prompt, int(body.get("max_tokens") or 16))
+        text = self.tok.decode([t for t in comp if t != self.tok.eos_token_id], skip_special_tokens=self.parser is None)
+        reasoning, content = self._split_reasoning(text)
+        choice = {"index": 0, "message": {"role": "assistant", "content": content, "reasoning": reasoning,
+                                          "tool_calls": []},
+                  "finish_reason": finish, "logprobs": None}
+        resp = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.name, "choices": [choice],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(comp),
+                          "total_tokens": len(prompt) + len(comp)}}
+        if body.get("return_token_ids"):
+            choice["token_ids"] = comp
+            resp["prompt_token_ids"] = prompt
+        return resp
+
+    def completions(self, body: dict) -> dict:
+        prompt = [int(t) for t in body["prompt"]]
+        req_id = f"cmpl-{uuid.uuid4().hex}"
+        with self.lock:
+            comp, finish = self._greedy(prompt, int(body.get("max_tokens") or 1))
+            hs = self._hidden_states(prompt) if self.layer_ids else None
+        choice = {"index": 0, "text": self.tok.decode(comp), "finish_reason": finish, "logprobs": None}
+        resp = {"id": req_id, "object": "text_completion", "created": int(time.time()), "model": self.name,
+                "choices": [choice], "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(comp),
+                                               "total_tokens": len(prompt) + len(comp)}}
+        if body.get("return_token_ids"):
+            choice["token_ids"] = comp
+            choice["prompt_token_ids"] = prompt
+        if hs is not None:
+            path = self.scratch / f"{req_id}.safetensors"
+            save_file({"hidden_states": hs, "token_ids": torch.tensor(prompt, dtype=torch.long)}, str(path))
+            resp["kv_transfer_params"] = {"hidden_states_path": str(path)}
+        return resp
+
+    # -- http -----------------------------------------------------------------------
+    def start(self) -> str:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):  # quiet
+                pass
+
+            def _send(self, code: int, obj) -> None:
+                data = (json.dumps(obj) if not isinstance(obj, str) else obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/health":
+                    self._send(200, "")
+                elif self.path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": fake.name, "object": "model", "owned_by": "vllm"}]})
+                else:
+                    self._send(404, {"error": {"message": "not found", "type": "NotFoundError", "code": 404}})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                with fake.lock:
+                    fake.requests += 1
+                    drop = fake.drop_remaining > 0
+                    fake.drop_remaining -= int(drop)
+                if drop:
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if self.path == "/v1/chat/completions":
+                    self._send(200, fake.chat(body))
+                elif self.path == "/v1/completions":
+                    self._send(200, fake.completions(body))
+                else:
+                    self._send(404, {"error": {"message": "not found", "type": "NotFoundError", "code": 404}})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self) -> None:
+        if self.server:
+            self.server.shutdown()
+            self.server.server_close()

@@ -1,0 +1,64 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle_jobs.errors import BadInput
+from eagle_jobs.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "jobs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_recipes_load(path):
+    r = load_recipe(path)
+    assert r.name and r.aux_layer_ids
+
+
+def test_kimi_smoke_recipe_is_the_seed_run():
+    r = load_recipe(REPO / "jobs/kimi-k2.5-smoke.yaml")
+    assert (r.prompts.limit, r.prompts.validation) == (10, 2)
+    assert (r.train.epochs, r.train.lr, r.train.scheduler) == (3, 3e-5, "cosine")
+    assert r.aux_layer_ids == [2, 30, 58]
+    d = r.draft
+    assert (d.hidden_size, d.num_attention_heads, d.head_dim, d.draft_vocab_size) == (7168, 64, 128, 32000)
+    full = load_recipe(REPO / "jobs/kimi-k2.5.yaml")
+    assert full.train.nproc_per_node == 8 and full.prompts.limit is None
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "r.yaml"
+    p.write_text(text)
+    return p
+
+
+BASE = (REPO / "jobs/demo.yaml").read_text()
+
+
+def test_unknown_key_names_file_and_key(tmp_path):
+    p = _write(tmp_path, BASE.replace("  epochs: 10", "  epochz: 10"))
+    with pytest.raises(BadInput) as e:
+        load_recipe(p)
+    assert str(p) in str(e.value) and "train.epochz" in str(e.value)
+
+
+@pytest.mark.parametrize("old,new,key", [
+    ("  lr: 3.0e-4", "  lr: -1", "train.lr"),
+    ("aux_layer_ids: [2, 15, 27]", "aux_layer_ids: [2, 2]", "aux_layer_ids"),
+    ("  backend: transformers\n  batch_size", "  backend: tensorrt\n  batch_size", "capture.backend"),
+])
+def test_impossible_values_rejected(tmp_path, old, new, key):
+    assert old in BASE
+    with pytest.raises(BadInput) as e:
+        load_recipe(_write(tmp_path, BASE.replace(old, new)))
+    assert key in str(e.value) or "aux_layer_ids" in str(e.value)
+
+
+def test_cli_recipe_typo_exits_bad_input_with_one_line(tmp_path):
+    p = _write(tmp_path, BASE.replace("sampling:", "samplin:"))
+    r = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", "capture", "--recipe", str(p)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "samplin" in lines[0] and str(p) in lines[0]
