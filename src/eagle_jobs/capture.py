@@ -51,16 +51,20 @@ class ShardStats:
     skipped: list[str] = field(default_factory=list)
 
 
-def parse_reasoning(text: str, parser: str | None) -> tuple[str | None, str]:
-    """Split <think>...</think> the way vLLM's kimi_k2 / deepseek_r1 parsers do."""
+def parse_reasoning(text: str, parser: str | None, thinking: bool = True) -> tuple[str | None, str]:
+    """Split <think>...</think> the way vLLM's kimi_k2 / deepseek_r1 parsers do.
+
+    With thinking on, the chat template has already opened <think>, so text with
+    no </think> is all reasoning (the answer was cut off mid-thought).
+    """
     if parser is None:
         return None, text.strip()
     start, end = "<think>", "</think>"
     if end in text:
         before, _, after = text.partition(end)
         return before.split(start, 1)[-1].strip(), after.strip()
-    if text.lstrip().startswith(start):  # cut off mid-thought
-        return text.split(start, 1)[1].strip(), ""
+    if text.lstrip().startswith(start) or thinking:
+        return text.split(start, 1)[-1].strip(), ""
     return None, text.strip()
 
 
@@ -179,7 +183,7 @@ class TransformersBackend:
                 max_new = max(1, min(r.sampling.max_new_tokens, lim.max_seq_len - longest))
                 for (t, prompt), (comp, reason) in zip(batch, self._generate([p for _, p in batch], max_new)):
                     text = self.tok.decode([x for x in comp if x not in self.eos], skip_special_tokens=r.chat.reasoning_parser is None)
-                    reasoning, content = parse_reasoning(text, r.chat.reasoning_parser)
+                    reasoning, content = parse_reasoning(text, r.chat.reasoning_parser, r.chat.thinking)
                     g = Generation(prompt, comp, reasoning, content, reason)
                     rows.append(make_row(r, t, g))
                     state[t.conv.index][0].append({"role": "assistant", "content": content})

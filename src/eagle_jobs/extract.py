@@ -1,0 +1,322 @@
+"""Stage 2, extract: the verifier's hidden states for every committed capture row.
+
+Defined exactly as vLLM's `extract_hidden_states` defines them: aux id k is the
+input of decoder layer k (HF `hidden_states[k]`), and the stored final entry is
+the last decoder layer's output before the final norm (vLLM's id N). Stored in
+bf16 (or fp8 e4m3 with per-token scales) in shards of about
+`extract.shard_bytes` (docs/FORMAT.md#hidden-state-shards).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from eagle_jobs.capture import read_rows
+from eagle_jobs.draft import check_aux_ids, stored_layer_ids
+from eagle_jobs.errors import BadInput, Unavailable
+from eagle_jobs.hsformat import Sample, bytes_per_token, encode_shard, sample_problem
+from eagle_jobs.progress import console, stage_progress
+from eagle_jobs.recipe import Recipe
+from eagle_jobs.sharding import owned, resolve_worker, worker_tag
+from eagle_jobs.store import Stage, Store
+from eagle_jobs.verifier import load_config, text_config
+
+STAGE = "extract"
+
+
+def plan_shards(rows: list[dict], bytes_per_tok: int, shard_bytes: int) -> list[list[dict]]:
+    """Greedy, in row order: deterministic for a given row list, so a restart resumes."""
+    shards: list[list[dict]] = []
+    cur: list[dict] = []
+    size = 0
+    for r in rows:
+        b = len(r["input_ids"]) * bytes_per_tok
+        if cur and size + b > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(r)
+        size += b
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    return model.model.layers
+
+
+class HookCapture:
+    """Forward hooks that keep only the stored layers: inputs of aux layers, the final pre-norm output."""
+
+    def __init__(self, model, aux: list[int]):
+        self.model, self.aux = model, aux
+        self.buf: dict[int, torch.Tensor] = {}
+        layers = _decoder_layers(model)
+        self.n = len(layers)
+        self.handles = []
+        for k in aux:
+            self.handles.append(layers[k].register_forward_pre_hook(self._pre(k), with_kwargs=True))
+        self.handles.append(layers[self.n - 1].register_forward_hook(self._post(self.n)))
+
+    def _pre(self, k):
+        def hook(_m, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            self.buf[k] = x.detach()
+        return hook
+
+    def _post(self, k):
+        def hook(_m, _args, out):
+            self.buf[k] = (out[0] if isinstance(out, tuple) else out).detach()
+        return hook
+
+    def stacked(self) -> torch.Tensor:
+        return torch.stack([self.buf[k] for k in [*self.aux, self.n]], dim=2)  # [B, T, L, H]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def batches_by_tokens(rows: list[dict], batch_tokens: int) -> list[list[dict]]:
+    out, cur = [], []
+    for r in sorted(rows, key=lambda r: len(r["input_ids"])):
+        if cur and (len(cur) + 1) * len(r["input_ids"]) > batch_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(r)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def forward_batch(model, rows: list[dict], hook: HookCapture | None) -> list[torch.Tensor]:
+    """One padded forward; per row its [T, L, H] states (right padding: real tokens first)."""
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    att = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+        att[i, : len(r["input_ids"])] = 1
+    with torch.inference_mode():
+        model.model(input_ids=ids, attention_mask=att, use_cache=False)  # the trunk: no lm_head
+    if hook is None:
+        return []
+    st = hook.stacked()
+    return [st[i, : len(r["input_ids"])] for i, r in enumerate(rows)]
+
+
+class TransformersExtractor:
+    def __init__(self, recipe: Recipe):
+        from eagle_jobs.verifier import load_verifier
+
+        self.recipe = recipe
+        self.v = load_verifier(recipe.verifier)
+        self.hook = HookCapture(self.v.model, recipe.aux_layer_ids)
+
+    def states(self, rows: list[dict], advance) -> dict[str, torch.Tensor]:
+        out = {}
+        for b in batches_by_tokens(rows, self.recipe.extract.batch_tokens):
+            for r, hs in zip(b, forward_batch(self.v.model, b, self.hook)):
+                out[r["row_id"]] = (hs, r["input_ids"])
+            advance(len(b), sum(len(r["input_ids"]) for r in b))
+        return out
+
+    def close(self) -> None:
+        self.hook.remove()
+
+
+class VllmExtractor:
+    """vLLM's extract_hidden_states + a hidden-states connector writing to local scratch."""
+
+    def __init__(self, recipe: Recipe, base_url: str, scratch: Path):
+        self.recipe, self.base, self.scratch = recipe, base_url, scratch
+
+    @staticmethod
+    def serve_args(recipe: Recipe, layer_ids: list[int], scratch: Path) -> list[str]:
+        spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
+        kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+              "kv_connector_extra_config": {"shared_storage_path": str(scratch)}}
+        if recipe.extract.storage_dtype == "fp8":
+            kv["kv_connector"] = "FP8HiddenStatesConnector"
+            kv["kv_connector_module_path"] = "hs_connectors.fp8_hidden_states_connector"
+        return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
+                "--no-enable-chunked-prefill"]
+
+    @staticmethod
+    def _load(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        lock = path.with_suffix(path.suffix + ".lock")
+        if lock.exists():  # the connector holds an exclusive flock while writing
+            with open(lock) as f:
+                fcntl.flock(f, fcntl.LOCK_SH)
+                fcntl.flock(f, fcntl.LOCK_UN)
+        d = load_file(str(path))
+        hs = d["hidden_states"]
+        if "hidden_states_scales" in d:  # hs-connectors fp8 backend
+            hs = hs.float() * d["hidden_states_scales"].float()
+        return hs, d["token_ids"]
+
+    def states(self, rows: list[dict], advance) -> dict[str, tuple]:
+        import httpx
+
+        from eagle_jobs.vllm_server import post_with_retries
+
+        spec = self.recipe.extract
+
+        async def one(client, model, sem, r, out):
+            body = {"model": model, "prompt": r["input_ids"], "max_tokens": 1, "return_token_ids": True}
+            async with sem:
+                resp = await post_with_retries(client, f"{self.base}/v1/completions", body, spec.vllm.max_retries)
+            echoed = resp["choices"][0].get("prompt_token_ids") or resp.get("prompt_token_ids")
+            path = Path((resp.get("kv_transfer_params") or {}).get("hidden_states_path", ""))
+            try:
+                if echoed != r["input_ids"]:
+                    out[r["row_id"]] = ("echoed token ids differ from the row", None)
+                    return
+                if not path.is_file():
+                    raise Unavailable(f"vLLM answered without a hidden-states file ({path}): is the kv connector configured?")
+                hs, tids = await asyncio.to_thread(self._load, path)
+                out[r["row_id"]] = (hs, tids.tolist())
+            finally:
+                for p in (path, path.with_suffix(path.suffix + ".lock")):
+                    if p.name and p.is_file():
+                        p.unlink()
+            advance(1, len(r["input_ids"]))
+
+        async def main():
+            out: dict = {}
+            async with httpx.AsyncClient(timeout=httpx.Timeout(spec.vllm.request_timeout_s, connect=30)) as client:
+                m = await client.get(f"{self.base}/v1/models")
+                model = m.json()["data"][0]["id"]
+                sem = asyncio.Semaphore(spec.concurrency)
+                await asyncio.gather(*(one(client, model, sem, r, out) for r in rows))
+            return out
+
+        return asyncio.run(main())
+
+    def close(self) -> None:
+        pass
+
+
+def shard_name(index: int, num: int, k: int) -> str:
+    return f"{worker_tag(index, num)}-{k:05d}"
+
+
+def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | None = None,
+                num_shards: int | None = None) -> dict:
+    tcfg = text_config(load_config(recipe.verifier))
+    n_layers, hidden = int(tcfg.num_hidden_layers), int(tcfg.hidden_size)
+    check_aux_ids(recipe.aux_layer_ids, n_layers)  # before any weights load
+    layer_ids = stored_layer_ids(recipe.aux_layer_ids, n_layers)
+    stage = Stage(store, run_id, STAGE)
+    rows = read_rows(store, run_id)
+    idx, n = resolve_worker(shard_index, num_shards)
+    bpt = bytes_per_token(len(layer_ids), hidden, recipe.extract.storage_dtype)
+    plan = plan_shards(owned(rows, idx, n), bpt, recipe.extract.shard_bytes)
+    todo = [(k, s) for k, s in enumerate(plan) if not stage.is_committed(shard_name(idx, n, k))]
+    console.print(f"[bold]extract[/] worker {idx}/{n}: {sum(len(s) for s in plan)} rows in {len(plan)} shards "
+                  f"(~{recipe.extract.shard_bytes / 2**20:.0f} MiB each, {bpt} B/token), "
+                  f"{len(plan) - len(todo)} already committed; layers {layer_ids}")
+    skipped: list[dict] = []
+    if todo:
+        if recipe.extract.backend == "transformers":
+            ex = TransformersExtractor(recipe)
+            _extract_shards(recipe, stage, idx, n, todo, ex, layer_ids, hidden, skipped)
+        else:
+            from eagle_jobs.vllm_server import vllm_endpoint
+
+            scratch = Path(recipe.extract.scratch_dir) / f"{run_id}-{idx}"
+            scratch.mkdir(parents=True, exist_ok=True)
+            args = VllmExtractor.serve_args(recipe, layer_ids, scratch)
+            with vllm_endpoint(recipe.extract.vllm, recipe.verifier.model, args) as base:
+                _extract_shards(recipe, stage, idx, n, todo, VllmExtractor(recipe, base, scratch),
+                                layer_ids, hidden, skipped)
+    if skipped:
+        console.print(f"  [yellow]skipped {len(skipped)} records[/] (never trained on): "
+                      + "; ".join(f"{s['row_id']}: {s['reason']}" for s in skipped[:5]))
+    summary = {"worker": idx, "num_workers": n, "shards": len(plan), "skipped": len(skipped),
+               "layer_ids": layer_ids}
+    done = stage.mark_worker_done(idx, n, summary)
+    console.print(f"  extract {'complete' if done else 'worker done'}: {store.url(stage.prefix)}")
+    return summary
+
+
+def _extract_shards(recipe, stage: Stage, idx, n, todo, ex, layer_ids, hidden, skipped_all) -> None:
+    """Compute shard k+1 while shard k is packed and uploaded in the background."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    pending: Future | None = None
+    try:
+        with stage_progress("extract", sum(len(s) for _, s in todo), "rows") as advance:
+            for k, rows in todo:
+                states = ex.states(rows, advance)
+                if pending is not None:
+                    skipped_all.extend(pending.result())
+                pending = pool.submit(_pack_and_commit, recipe, stage, shard_name(idx, n, k), rows, states,
+                                      layer_ids, hidden)
+            if pending is not None:
+                skipped_all.extend(pending.result())
+    finally:
+        pool.shutdown(wait=True)
+        ex.close()
+
+
+def _pack_and_commit(recipe, stage: Stage, name: str, rows, states, layer_ids, hidden) -> list[dict]:
+    samples, kept, skipped = [], [], []
+    for r in rows:
+        hs, tids = states.get(r["row_id"], ("missing", None))
+        problem = hs if isinstance(hs, str) else sample_problem(hs, tids, r["input_ids"], len(layer_ids), hidden)
+        if problem:
+            skipped.append({"row_id": r["row_id"], "reason": problem})
+            continue
+        samples.append(Sample(r["row_id"], hs, torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"])))
+        kept.append(r)
+    blob, index = encode_shard(samples, layer_ids, recipe.extract.storage_dtype)
+    for e, r in zip(index, kept):
+        e["split"] = r["split"]
+        e["prompt_index"] = r["prompt_index"]
+        e["loss_tokens"] = int(sum(r["loss_mask"]))
+    stage.commit_shard(name, {f"{name}.safetensors": blob}, {
+        "format": "eagle-jobs/hidden-states/v1", "storage": recipe.extract.storage_dtype,
+        "layer_ids": layer_ids, "hidden_size": hidden, "samples": index, "skipped": skipped,
+        "verifier": recipe.verifier.model, "tokens": sum(e["num_tokens"] for e in index),
+    })
+    return skipped
+
+
+def extraction_info(store: Store, run_id: str) -> dict:
+    """What the train/evaluate stages need to know about a committed extraction."""
+    from eagle_jobs.errors import NotReady
+
+    stage = Stage(store, run_id, STAGE)
+    if not stage.is_complete():
+        raise NotReady(f"extract of run '{run_id}' is not complete in {store.uri}: run `eagle-jobs extract` first")
+    manifests = stage.manifests()
+    if not manifests:
+        raise BadInput(f"extract of run '{run_id}' has no shards")
+    ids = {tuple(m["layer_ids"]) for m in manifests}
+    if len(ids) != 1:
+        raise BadInput(f"extract of run '{run_id}': shards disagree on layer ids {sorted(ids)}; rerun extraction")
+    return {"manifests": manifests, "layer_ids": list(ids.pop()), "hidden_size": manifests[0]["hidden_size"],
+            "storage": manifests[0]["storage"]}
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def read_sample(store: Store, run_id: str, manifest: dict, entry: dict, dtype=torch.bfloat16) -> dict:
+    """One sample with one range read of its shard (never the whole object)."""
+    from eagle_jobs.hsformat import decode_sample
+
+    (fname,) = manifest["files"]
+    key = Stage(store, run_id, STAGE).key(f"data/{fname}")
+    buf = store.get(key, entry["start"], entry["start"] + entry["length"])
+    return decode_sample(buf, entry, dtype)

@@ -1,0 +1,194 @@
+import torch
+import pytest
+
+from eagle_jobs import extract as ex_mod
+from eagle_jobs.capture import read_rows, run_capture
+from eagle_jobs.errors import BadInput
+from eagle_jobs.extract import extraction_info, read_sample, run_extract
+from eagle_jobs.store import Stage, Store
+from eagle_jobs.verifier import load_verifier
+
+
+def _captured(recipe, uri, run="r"):
+    st = Store.open(uri)
+    st.check()
+    run_capture(recipe, st, run)
+    return st
+
+
+def test_states_match_vllm_definition_and_reproduce_logits(tiny_recipe, store_uri):
+    recipe = tiny_recipe()
+    st = _captured(recipe, store_uri)
+    run_extract(recipe, st, "r")
+    info = extraction_info(st, "r")
+    assert info["layer_ids"] == [1, 2, 3, 4] and len(info["manifests"]) > 1  # several shards
+    model = load_verifier(recipe.verifier).model
+    rows = {r["row_id"]: r for r in read_rows(st, "r")}
+    seen = 0
+    for m in info["manifests"]:
+        for e in m["samples"]:
+            s = read_sample(st, "r", m, e, torch.float32)
+            ids = rows[e["row_id"]]["input_ids"]
+            assert s["token_ids"].tolist() == ids
+            assert s["loss_mask"].tolist() == [bool(x) for x in rows[e["row_id"]]["loss_mask"]]
+            with torch.no_grad():
+                out = model(torch.tensor([ids]), output_hidden_states=True)
+            hs = s["hidden_states"]
+            for j, k in enumerate([1, 2, 3]):  # aux id k == HF hidden_states[k]
+                torch.testing.assert_close(hs[:, j], out.hidden_states[k][0], rtol=2e-2, atol=2e-2)
+            # final entry is pre-norm: the verifier's norm + lm_head reproduce its logits
+            logits = model.lm_head(model.model.norm(hs[:, 3]))
+            torch.testing.assert_close(logits, out.logits[0], rtol=5e-2, atol=5e-2)
+            assert (logits.argmax(-1) == out.logits[0].argmax(-1)).float().mean() > 0.95
+            seen += 1
+    assert seen == len(rows)
+
+
+def test_one_sample_is_one_range_read(tiny_recipe, tmp_path, monkeypatch):
+    recipe = tiny_recipe()
+    st = _captured(recipe, f"file://{tmp_path}/s")
+    run_extract(recipe, st, "r")
+    m = extraction_info(st, "r")["manifests"][0]
+    calls = []
+    orig = Store.get
+    monkeypatch.setattr(Store, "get", lambda self, k, a=None, b=None: calls.append((a, b)) or orig(self, k, a, b))
+    e = m["samples"][-1]
+    read_sample(st, "r", m, e)
+    size = m["files"][next(iter(m["files"]))]["size"]
+    assert calls == [(e["start"], e["start"] + e["length"])] and e["length"] < size
+
+
+def test_bytes_per_token(tiny_recipe, tmp_path):
+    recipe = tiny_recipe(extract={"shard_bytes": 10**9})
+    st = _captured(recipe, f"file://{tmp_path}/s")
+    run_extract(recipe, st, "r")
+    (m,) = extraction_info(st, "r")["manifests"]
+    tokens = sum(e["num_tokens"] for e in m["samples"])
+    data = sum(e["length"] for e in m["samples"])
+    assert data == tokens * (4 * 64 * 2 + 8 + 1)  # layers x hidden x bf16, + int64 id + u8 mask
+    size = next(iter(m["files"].values()))["size"]
+    assert size - data < 0.05 * size  # the rest is the safetensors header
+
+
+def test_fp8_storage(tiny_recipe, tmp_path):
+    recipe = tiny_recipe(extract={"storage_dtype": "fp8", "shard_bytes": 10**9})
+    st = _captured(recipe, f"file://{tmp_path}/s")
+    run_extract(recipe, st, "r")
+    (m,) = extraction_info(st, "r")["manifests"]
+    tokens = sum(e["num_tokens"] for e in m["samples"])
+    assert sum(e["length"] for e in m["samples"]) == tokens * (4 * 64 + 4 * 4 + 8 + 1)
+    model = load_verifier(recipe.verifier).model
+    e = m["samples"][0]
+    s = read_sample(st, "r", m, e, torch.float32)
+    with torch.no_grad():
+        out = model(s["token_ids"][None], output_hidden_states=True)
+    ref = out.hidden_states[2][0]
+    rel = (s["hidden_states"][:, 1] - ref).norm() / ref.norm()
+    assert rel < 0.06
+
+
+def test_bad_records_are_skipped_and_reported(tiny_recipe, tmp_path, monkeypatch):
+    recipe = tiny_recipe()
+    st = _captured(recipe, f"file://{tmp_path}/s")
+    real = ex_mod.TransformersExtractor.states
+
+    def corrupt(self, rows, advance):
+        out = real(self, rows, advance)
+        ids = sorted(out)
+        if "00000001-00" in out:
+            hs, t = out["00000001-00"]
+            hs = hs.clone()
+            hs[0, 0, 0] = float("nan")
+            out["00000001-00"] = (hs, t)
+        if "00000002-00" in out:
+            hs, t = out["00000002-00"]
+            out["00000002-00"] = (hs, [9] + list(t[1:]))
+        if "00000003-00" in out:
+            hs, t = out["00000003-00"]
+            out["00000003-00"] = (hs[:-1], t)  # truncated record
+        return out
+
+    monkeypatch.setattr(ex_mod.TransformersExtractor, "states", corrupt)
+    s = run_extract(recipe, st, "r")
+    assert s["skipped"] == 3
+    info = extraction_info(st, "r")
+    reasons = {k["row_id"]: k["reason"] for m in info["manifests"] for k in m["skipped"]}
+    assert "NaN" in reasons["00000001-00"] and "token ids" in reasons["00000002-00"]
+    assert "truncated" in reasons["00000003-00"]
+    stored = {e["row_id"] for m in info["manifests"] for e in m["samples"]}
+    assert not stored & set(reasons)
+
+
+def test_restart_resumes_at_first_uncommitted_shard(tiny_recipe, tmp_path, monkeypatch):
+    recipe = tiny_recipe()
+    st = _captured(recipe, f"file://{tmp_path}/s")
+    real = ex_mod._pack_and_commit
+    n = {"c": 0}
+
+    def dying(*a, **kw):
+        n["c"] += 1
+        if n["c"] == 3:
+            raise RuntimeError("pod evicted")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ex_mod, "_pack_and_commit", dying)
+    with pytest.raises(RuntimeError):
+        run_extract(recipe, st, "r")
+    stage = Stage(st, "r", "extract")
+    done_before = [m["shard"] for m in stage.manifests()]
+    assert len(done_before) == 2 and not stage.is_complete()
+    monkeypatch.setattr(ex_mod, "_pack_and_commit", real)
+    calls = []
+    monkeypatch.setattr(ex_mod, "_pack_and_commit", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    run_extract(recipe, st, "r")
+    assert stage.is_complete() and not set(calls) & set(done_before)
+    rows = [e["row_id"] for m in stage.manifests() for e in m["samples"]]
+    assert sorted(rows) == sorted(r["row_id"] for r in read_rows(st, "r"))
+
+
+def test_aux_ids_out_of_range_rejected_before_weights_load(tiny_recipe, tmp_path, monkeypatch):
+    recipe = tiny_recipe(aux_layer_ids=[1, 2, 9])
+    monkeypatch.setattr("eagle_jobs.verifier.load_verifier", lambda *a: pytest.fail("weights loaded"))
+    with pytest.raises(BadInput, match=r"\[9\] out of range for a verifier with 4 layers"):
+        run_extract(recipe, Store.open(f"file://{tmp_path}/s"), "r")
+
+
+def test_vllm_backend_against_extract_hidden_states_server(tiny_recipe, tiny_kimi, tmp_path):
+    from fake_vllm import FakeVllm
+
+    scratch = tmp_path / "scratch"
+    recipe = tiny_recipe(extract={"backend": "vllm", "scratch_dir": str(scratch), "concurrency": 4})
+    st = _captured(recipe, f"file://{tmp_path}/s")
+    fake = FakeVllm(str(tiny_kimi), layer_ids=[1, 2, 3, 4], scratch=scratch / "r-0", drop_first=2)
+    (scratch / "r-0").mkdir(parents=True)
+    base = fake.start()
+    try:
+        recipe = tiny_recipe(extract={"backend": "vllm", "scratch_dir": str(scratch), "concurrency": 4,
+                                      "vllm": {"endpoint": base, "health_timeout_s": 10}})
+        run_extract(recipe, st, "r")
+    finally:
+        fake.stop()
+    assert list((scratch / "r-0").iterdir()) == []  # every file read, packed and deleted
+    st2 = _captured(tiny_recipe(), f"file://{tmp_path}/s2")
+    run_extract(tiny_recipe(), st2, "r")
+    a, b = extraction_info(st, "r")["manifests"], extraction_info(st2, "r")["manifests"]
+    assert [e["row_id"] for m in a for e in m["samples"]] == [e["row_id"] for m in b for e in m["samples"]]
+    for ma, mb in zip(a, b):
+        for ea, eb in zip(ma["samples"], mb["samples"]):
+            x = read_sample(st, "r", ma, ea, torch.float32)["hidden_states"]
+            y = read_sample(st2, "r", mb, eb, torch.float32)["hidden_states"]
+            torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2)
+
+
+def test_vllm_serve_arguments(tiny_recipe, tmp_path):
+    import json
+
+    args = ex_mod.VllmExtractor.serve_args(tiny_recipe(), [2, 30, 58, 61], tmp_path)
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58, 61]
+    kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "ExampleHiddenStatesConnector" and kv["kv_role"] == "kv_producer"
+    assert "--no-enable-chunked-prefill" in args
+    fp8 = ex_mod.VllmExtractor.serve_args(tiny_recipe(extract={"storage_dtype": "fp8"}), [1, 4], tmp_path)
+    assert "hs_connectors.fp8_hidden_states_connector" in fp8[fp8.index("--kv-transfer-config") + 1]
