@@ -1,0 +1,189 @@
+"""Every adaptation of speculators 0.9.0 that eagle-jobs makes, in one place.
+
+speculators' Trainer assumes an accelerator. On a CPU-only machine we change
+exactly these points (each has a test in tests/test_speculators_compat.py):
+
+1. `Trainer.setup_model` moves the model to `get_local_rank()` (an int):
+   on CPU the device is "cpu".
+2. `_StepTimer.mark` / `.now` call `torch.accelerator.synchronize()`: skipped
+   when there is no accelerator.
+3. `SingleGPUCheckpointer.load_*` map tensors to `get_current_device()`, which
+   answers "cuda:0" without an accelerator: "cpu" there.
+4. `Trainer.device_type` falls back to "cuda" for autocast: on CPU we feed fp32
+   hidden states (upcast from the stored bf16) into the fp32-master draft and
+   disable autocast, so no dtype mismatch can reach `fc`.
+
+Plus two behaviours we add through a subclass, not a patch:
+5. after each checkpoint the directory is committed to the store (rank 0),
+   optimizer and scheduler state converted from torch pickles to
+   safetensors + JSON so nothing read back from a bucket is ever unpickled;
+6. SIGTERM (pod eviction) saves a mid-epoch checkpoint as `<epoch>/` with its
+   step, which speculators' own resume logic picks up.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import torch
+
+from speculators.train import checkpointer as _ckpt
+from speculators.train import trainer as _trainer
+
+PINNED = "0.9.0"
+INSTALLED = importlib.metadata.version("speculators")
+if INSTALLED.split("+")[0] != PINNED:  # pragma: no cover - guarded by the pin
+    raise ImportError(f"eagle_jobs.speculators_compat is written for speculators {PINNED}, found {INSTALLED}")
+
+
+def has_accelerator() -> bool:
+    return torch.accelerator.current_accelerator(check_available=True) is not None
+
+
+_installed = False
+
+
+def install() -> None:
+    """Apply adaptations 1-3 (idempotent). A no-op on machines with an accelerator."""
+    global _installed
+    if _installed or has_accelerator():
+        return
+    _trainer.get_local_rank = lambda: "cpu"  # 1
+    orig_mark, orig_now = _trainer._StepTimer.mark, _trainer._StepTimer.now  # noqa: SLF001
+
+    def mark(self, name: str) -> None:  # 2
+        if self.enabled:
+            import time
+
+            self._marks[name] = time.perf_counter()  # noqa: SLF001
+
+    def now(self):
+        if not self.enabled:
+            return None
+        import time
+
+        return time.perf_counter()
+
+    _trainer._StepTimer.mark, _trainer._StepTimer.now = mark, now  # noqa: SLF001
+    _trainer._StepTimer._orig = (orig_mark, orig_now)  # noqa: SLF001
+    _ckpt.get_current_device = lambda: "cpu"  # 3
+    _installed = True
+
+
+# -- state conversion: torch pickles <-> safetensors + JSON ---------------------------
+def state_to_safe(obj) -> tuple[dict[str, torch.Tensor], object]:
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            k = f"t{len(tensors)}"
+            tensors[k] = x.detach().cpu().contiguous()
+            return {"__tensor__": k}
+        if isinstance(x, dict):
+            return {"__dict__": [[walk(k), walk(v)] for k, v in x.items()]}
+        if isinstance(x, (list, tuple)):
+            return {"__list__": [walk(v) for v in x], "tuple": isinstance(x, tuple)}
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        raise TypeError(f"cannot store {type(x).__name__} in checkpoint state")
+
+    return tensors, walk(obj)
+
+
+def state_from_safe(tensors: dict[str, torch.Tensor], tree):
+    def walk(x):
+        if isinstance(x, dict):
+            if "__tensor__" in x:
+                return tensors[x["__tensor__"]]
+            if "__dict__" in x:
+                return {walk(k): walk(v) for k, v in x["__dict__"]}
+            if "__list__" in x:
+                vals = [walk(v) for v in x["__list__"]]
+                return tuple(vals) if x.get("tuple") else vals
+        return x
+
+    return walk(tree)
+
+
+def export_checkpoint_dir(d: Path) -> dict[str, bytes]:
+    """The objects a local speculators checkpoint directory becomes in the store."""
+    from safetensors.torch import save
+
+    out: dict[str, bytes] = {}
+    for f in sorted(d.iterdir()):
+        if f.is_symlink() or not f.is_file():
+            continue
+        if f.suffix == ".pt":  # written by speculators itself, in this process
+            tensors, tree = state_to_safe(torch.load(f, weights_only=True, map_location="cpu"))
+            out[f.stem + ".state.safetensors"] = save(tensors)
+            out[f.stem + ".state.json"] = json.dumps(tree).encode()
+        elif f.suffix in (".json", ".safetensors", ".txt", ".yaml"):
+            out[f.name] = f.read_bytes()
+        # config.py (auto_map code) is never copied: code from a bucket is not run
+    return out
+
+
+def import_checkpoint_dir(objects: dict[str, bytes], d: Path) -> None:
+    """Rebuild a local speculators checkpoint directory from store objects (no unpickling)."""
+    from safetensors.torch import load
+
+    d.mkdir(parents=True, exist_ok=True)
+    for name, data in objects.items():
+        if name.endswith(".state.json"):
+            stem = name.removesuffix(".state.json")
+            tensors = load(objects[stem + ".state.safetensors"])
+            torch.save(state_from_safe(tensors, json.loads(data)), d / f"{stem}.pt")
+        elif not name.endswith(".state.safetensors"):
+            (d / name).write_bytes(data)
+
+
+class MetricsRecorder(logging.Handler):
+    """Collects speculators' per-step metric records ({"train": ..., "global_step": ...})."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if isinstance(record.msg, dict):
+            self.records.append(json.loads(json.dumps(record.msg, default=float)))
+
+
+class StoreTrainer(_trainer.Trainer):
+    """speculators' Trainer + commit-to-store after each checkpoint + SIGTERM mid-epoch save."""
+
+    def __init__(self, *args, on_checkpoint=None, **kwargs):
+        self._on_checkpoint = on_checkpoint
+        self._cur_epoch, self._cur_step = 0, 0
+        self.interrupted = False
+        super().__init__(*args, **kwargs)
+        if not has_accelerator():
+            self.device_type = "cpu"  # 4: autocast(cpu, fp32) is disabled by torch, silently below
+
+    def train_epoch(self, epoch: int, *, step_callback=None):
+        self._cur_epoch = epoch
+        self._cur_step = getattr(self, "_resume_local_step", 0) if epoch == self.current_epoch else 0
+
+        def counted():
+            self._cur_step += 1
+            if step_callback:
+                step_callback()
+
+        with warnings.catch_warnings():
+            if not has_accelerator():  # 4: the fp32 autocast request is meant to be a no-op
+                warnings.filterwarnings("ignore", message=".*[Aa]utocast.*")
+            return super().train_epoch(epoch, step_callback=counted)
+
+    def maybe_save_checkpoint(self, epoch, local_step: int = 0):
+        if epoch == "interrupted":  # 6
+            self.interrupted = True
+            if self._cur_step == 0:
+                return  # nothing new since the last committed checkpoint
+            epoch, local_step = self._cur_epoch, self._cur_step
+        super().maybe_save_checkpoint(epoch, local_step=local_step)
+        if self._on_checkpoint is not None and self.rank == 0 and isinstance(epoch, int):
+            self._on_checkpoint(epoch, local_step)  # 5

@@ -1,0 +1,327 @@
+"""Stage 3, train: the EAGLE-3 draft, with speculators 0.9.0's model, Trainer and data code.
+
+Reads top to bottom: check the extraction against the recipe, resolve the draft
+shape, build the vocab mapping from loss-masked token counts, stage the shards,
+build the model and loaders, train (checkpoints committed to the store every
+epoch and on SIGTERM, resuming from the latest), export the final checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import threading
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from eagle_jobs.draft import DraftShape, llama_layer_config, resolve_shape
+from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
+from eagle_jobs.extract import STAGE as EXTRACT, extraction_info
+from eagle_jobs.progress import console
+from eagle_jobs.recipe import Recipe
+from eagle_jobs.store import Stage, Store
+from eagle_jobs.verifier import load_config, resolve_path, text_config
+
+STAGE = "train"
+
+
+# -- data ---------------------------------------------------------------------------
+class ShardStager:
+    """Copies committed shards to bounded local disk ahead of the trainer.
+
+    Readers use the local copy once it is there and range-read the store until
+    then, so training never waits for a whole shard and local disk stays under
+    `train.local_stage_bytes`.
+    """
+
+    def __init__(self, store: Store, run_id: str, manifests: list[dict], root: Path, budget: int):
+        self.store, self.stage, self.root, self.budget = store, Stage(store, run_id, EXTRACT), root, budget
+        self.manifests = manifests
+        root.mkdir(parents=True, exist_ok=True)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def local(self, fname: str) -> Path:
+        return self.root / fname
+
+    def _run(self) -> None:
+        used = 0
+        for m in self.manifests:
+            (fname, info), = m["files"].items()
+            if used + info["size"] > self.budget:
+                return
+            dest = self.local(fname)
+            if not dest.exists():
+                data = self.stage.read(fname, info)  # sha256-checked against the manifest
+                tmp = dest.with_name(dest.name + ".part")
+                tmp.write_bytes(data)
+                os.replace(tmp, dest)
+            used += info["size"]
+
+    def start(self) -> "ShardStager":
+        self.thread.start()
+        return self
+
+
+def _dataset_class():
+    from speculators.train.data import BaseDataset
+
+    class StoreHiddenStatesDataset(BaseDataset):
+        """Samples of one split, read from staged shards or by range reads from the store."""
+
+        def __init__(self, store_uri: str, run_id: str, items: list[tuple[str, dict]], stage_root: str,
+                     max_len: int, dtype: torch.dtype):
+            self.store_uri, self.run_id, self.items, self.stage_root = store_uri, run_id, items, stage_root
+            self._store = None
+            super().__init__(max_len, dtype)
+
+        def _compute_approx_lengths(self):
+            return [min(e["num_tokens"], self.max_len) for _f, e in self.items]
+
+        def __len__(self):
+            return len(self.items)
+
+        def _get_raw_data(self, index: int):
+            from eagle_jobs.hsformat import decode_sample
+
+            fname, e = self.items[index]
+            local = Path(self.stage_root) / fname
+            if local.exists():
+                with open(local, "rb") as f:
+                    f.seek(e["start"])
+                    buf = f.read(e["length"])
+            else:
+                if self._store is None:
+                    self._store = Store.open(self.store_uri)
+                buf = self._store.get(f"{self.run_id}/{EXTRACT}/data/{fname}", e["start"], e["start"] + e["length"])
+            s = decode_sample(buf, e, self.hidden_states_dtype)
+            hs = s["hidden_states"]  # [T, L, H]: aux layers, then the final layer
+            return {"hidden_states": hs[:, :-1].flatten(1), "input_ids": s["token_ids"],
+                    "verifier_last_hidden_states": hs[:, -1], "loss_mask": s["loss_mask"]}
+
+    return StoreHiddenStatesDataset
+
+
+def token_frequencies(manifests: list[dict], store: Store, run_id: str) -> Counter:
+    """Counts of loss-masked target tokens in the training split (speculators' token_freq)."""
+    from eagle_jobs.capture import read_rows
+
+    train_rows = {e["row_id"] for m in manifests for e in m["samples"] if e["split"] == "train"}
+    freq: Counter = Counter()
+    for r in read_rows(store, run_id):
+        if r["row_id"] in train_rows:
+            freq.update(t for t, m in zip(r["input_ids"], r["loss_mask"]) if m)
+    return freq
+
+
+# -- checkpoints in the store -------------------------------------------------------
+def committed_checkpoints(stage: Stage) -> list[dict]:
+    return [m for m in stage.manifests() if m["shard"].startswith("checkpoint-")]
+
+
+def restore_latest(stage: Stage, local: Path) -> int | None:
+    """Put the newest committed checkpoint where speculators' Trainer resumes from."""
+    from eagle_jobs.speculators_compat import import_checkpoint_dir
+
+    ckpts = committed_checkpoints(stage)
+    if not ckpts:
+        return None
+    m = max(ckpts, key=lambda m: (m["epoch"], m["local_step"]))
+    objects = {f.split("/", 1)[1]: stage.read(f, info) for f, info in m["files"].items()}
+    import_checkpoint_dir(objects, local / str(m["epoch"]))
+    return m["epoch"]
+
+
+def commit_checkpoint(stage: Stage, local: Path, epoch: int, local_step: int, extra: dict) -> None:
+    from eagle_jobs.speculators_compat import export_checkpoint_dir
+
+    name = f"checkpoint-{epoch:04d}"
+    objects = {f"{name}/{k}": v for k, v in export_checkpoint_dir(local / str(epoch)).items()}
+    stage.commit_shard(name, objects, {"epoch": epoch, "local_step": local_step, **extra})
+    console.print(f"  committed {name} (step {local_step or 'end'}) to {stage.store.url(stage.prefix)}")
+
+
+# -- the entry ------------------------------------------------------------------------
+def maybe_relaunch_under_torchrun(recipe: Recipe) -> None:
+    """`eagle-jobs train` with nproc_per_node > 1 re-executes itself under torchrun."""
+    t = recipe.train
+    if t.nproc_per_node * t.nnodes <= 1 or "LOCAL_RANK" in os.environ or not torch.cuda.is_available():
+        return
+    args = ["--nproc_per_node", str(t.nproc_per_node)]
+    if t.nnodes > 1:
+        args += ["--nnodes", str(t.nnodes), "--node_rank", os.environ.get("JOB_COMPLETION_INDEX", "0"),
+                 "--rdzv_backend", "c10d", "--rdzv_endpoint", os.environ["EAGLE_JOBS_RDZV_ENDPOINT"]]
+    else:
+        args.insert(0, "--standalone")
+    os.execvp(sys.executable, [sys.executable, "-m", "torch.distributed.run", *args, "-m", "eagle_jobs.cli", *sys.argv[1:]])
+
+
+def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None = None,
+              work_dir: Path | None = None) -> dict:
+    from eagle_jobs import speculators_compat as compat
+
+    # 1. the extraction must be the one this draft expects
+    info = extraction_info(store, run_id)
+    tcfg = text_config(load_config(recipe.verifier))
+    shape: DraftShape = resolve_shape(recipe, tcfg)
+    aux = info["layer_ids"][:-1]
+    if aux != recipe.aux_layer_ids:
+        raise BadInput(f"extraction of run '{run_id}' stored aux layers {aux}, the recipe's draft wants "
+                       f"{recipe.aux_layer_ids}: rerun extract with this recipe or fix aux_layer_ids")
+    if info["hidden_size"] != shape.hidden_size:
+        raise BadInput(f"extraction hidden size {info['hidden_size']} != draft hidden size {shape.hidden_size}")
+    console.print(f"[bold]train[/] draft shape: {shape.describe()}")
+    maybe_relaunch_under_torchrun(recipe)
+
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.dataloader import _setup_dataloader
+    from speculators.train.distributed import get_rank, maybe_destroy_distributed, maybe_setup_distributed
+    from speculators.train.trainer import TrainerConfig
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    compat.install()
+    maybe_setup_distributed()
+    gpu = compat.has_accelerator()
+    attn = recipe.train.attention if recipe.train.attention != "auto" else ("simple_flex_attention" if gpu else "sdpa")
+    loss_impl = recipe.train.loss_implementation
+    loss_impl = loss_impl if loss_impl != "auto" else ("fused" if gpu else "eager")
+    if not gpu and (attn == "simple_flex_attention" or loss_impl == "fused"):
+        raise BadInput("train: flex attention and the fused loss need a GPU; use attention sdpa and loss eager on CPU")
+    # bf16 states from the store; the draft keeps fp32 master weights. On GPU autocast runs
+    # the matmuls in bf16; on CPU we upcast the states so dtypes always agree.
+    hs_dtype = torch.bfloat16 if gpu else torch.float32
+    torch.manual_seed(recipe.train.seed)
+
+    # 2. vocab mapping from loss-masked token frequencies
+    freq = token_frequencies(info["manifests"], store, run_id)
+    d2t, t2d = build_vocab_mappings_from_distribution(dict(freq), shape.draft_vocab_size, shape.verifier_vocab_size)
+    coverage = sum(c for t, c in freq.items() if t2d[t]) / max(1, sum(freq.values()))
+    console.print(f"  vocab mapping: {shape.draft_vocab_size} of {shape.verifier_vocab_size} tokens, "
+                  f"covering {coverage:.1%} of {sum(freq.values()):,} training target tokens")
+
+    # 3. data: stage shards ahead to bounded local disk; one dataset per split
+    work = Path(work_dir or os.environ.get("EAGLE_JOBS_WORK_DIR") or Path.home() / ".cache/eagle-jobs/work") / run_id
+    stager = ShardStager(store, run_id, info["manifests"], work / "stage", recipe.train.local_stage_bytes).start()
+    items = {"train": [], "validation": []}
+    for m in info["manifests"]:
+        fname = next(iter(m["files"]))
+        for e in m["samples"]:
+            if e["loss_tokens"] > 1:
+                items[e["split"]].append((fname, e))
+    if not items["train"]:
+        raise BadInput(f"run '{run_id}' has no training samples with loss tokens")
+    Dataset = _dataset_class()
+    T = recipe.train.total_seq_len
+
+    def loader(split: str):
+        if not items[split]:
+            return None
+        ds = Dataset(store.uri, run_id, items[split], str(stager.root), T, hs_dtype)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*pin_memory.*")
+            return _setup_dataloader(ds, T, shape.hidden_size, num_workers=recipe.train.num_workers,
+                                     num_target_layers=len(aux), prefetch_factor=4, preprocess=shift_batch,
+                                     seed=recipe.train.seed)
+
+    train_loader, val_loader = loader("train"), loader("validation")
+
+    # 4. model: speculators' Eagle3DraftModel with our LlamaConfig for the draft layer
+    layer_cfg = llama_layer_config(shape, recipe, tcfg, attn)
+    model = Eagle3DraftModel.from_training_args(
+        verifier_config=layer_cfg, t2d=t2d, d2t=d2t, target_layer_ids=aux,
+        verifier_name_or_path=resolve_path(recipe.verifier), draft_vocab_size=shape.draft_vocab_size,
+        norm_before_residual=recipe.draft.norm_before_residual, norm_before_fc=recipe.draft.norm_before_fc,
+        norm_output=recipe.draft.norm_output, ttt_steps=recipe.train.ttt_steps, draft_attn_impl=attn,
+        trust_remote_code=recipe.verifier.trust_remote_code,
+    )
+    assert next(model.fc.parameters()).dtype == torch.float32  # fp32 master weights
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    console.print(f"  draft parameters: {total:,} total, {trainable:,} trainable; attention {attn}, loss {loss_impl}")
+
+    # 5. resume from the newest committed checkpoint, then train
+    stage = Stage(store, run_id, STAGE)
+    ckpt_dir = work / "checkpoints"
+    if get_rank() == 0:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        resumed = restore_latest(stage, ckpt_dir)
+        if resumed is not None:
+            console.print(f"  resuming from committed checkpoint of epoch {resumed}")
+    train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
+        ttt_steps=recipe.train.ttt_steps, ttt_step_loss_decay=recipe.train.ttt_step_loss_decay,
+        loss_fn=recipe.train.loss_fn, loss_implementation=loss_impl)
+    steps_per_epoch = len(train_loader)
+    cfg = TrainerConfig(
+        lr=recipe.train.lr, num_epochs=recipe.train.epochs, save_path=str(ckpt_dir), resume_from_checkpoint=True,
+        train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, optimizer=recipe.train.optimizer,
+        weight_decay=recipe.train.weight_decay, scheduler_type=recipe.train.scheduler,
+        scheduler_warmup_ratio=recipe.train.warmup_ratio, hidden_states_dtype=hs_dtype,
+        log_freq=recipe.train.log_freq, fsdp_shard=recipe.train.fsdp, max_steps=max_steps,
+    )
+    split = {"train": len(items["train"]), "validation": len(items["validation"])}
+    record = {
+        "run_id": run_id, "verifier": recipe.verifier.model, "samples": split,
+        "epochs": recipe.train.epochs, "lr": recipe.train.lr, "scheduler": recipe.train.scheduler,
+        "optimizer": recipe.train.optimizer, "steps_per_epoch": steps_per_epoch,
+        "total_steps": max_steps or steps_per_epoch * recipe.train.epochs,
+        "parameters": {"total": total, "trainable": trainable}, "draft_shape": shape.describe(),
+        "aux_layer_ids": aux, "attention": attn, "loss_implementation": loss_impl,
+        "hidden_states_dtype": str(hs_dtype).removeprefix("torch."), "recipe_digest": recipe.digest(),
+        "vocab_coverage": coverage,
+    }
+    recorder = compat.MetricsRecorder()
+    logging.getLogger("speculators.metrics").addHandler(recorder)
+    logging.getLogger("speculators.metrics").setLevel(logging.INFO)
+
+    def on_checkpoint(epoch: int, local_step: int) -> None:
+        (ckpt_dir / str(epoch) / "train_config.json").write_text(json.dumps(record, indent=1))
+        (ckpt_dir / str(epoch) / "metrics.json").write_text(json.dumps(recorder.records))
+        commit_checkpoint(stage, ckpt_dir, epoch, local_step, {"recipe_digest": recipe.digest()})
+
+    trainer = compat.StoreTrainer(model, cfg, train_loader, val_loader, on_checkpoint=on_checkpoint)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Aa]utocast.*")
+        trainer.run_training()
+    if trainer.interrupted:
+        maybe_destroy_distributed()
+        raise EagleJobsError("train: interrupted by a signal; the checkpoint is committed, rerun to resume",
+                             ExitCode.INTERRUPTED)
+    # 6. export: the newest checkpoint, as vLLM serves it
+    if get_rank() == 0:
+        last = max(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and not p.is_symlink())
+        record["metrics"] = recorder.records
+        export_final(stage, ckpt_dir / str(last), record)
+    maybe_destroy_distributed()
+    return record
+
+
+def export_final(stage: Stage, ckpt: Path, record: dict) -> None:
+    from eagle_jobs.speculators_compat import export_checkpoint_dir
+
+    objects = {k: v for k, v in export_checkpoint_dir(ckpt).items()
+               if k in ("model.safetensors", "config.json", "val_metrics.json")}
+    objects["train_config.json"] = json.dumps({k: v for k, v in record.items() if k != "metrics"}, indent=1).encode()
+    objects["metrics.json"] = json.dumps(record["metrics"]).encode()
+    stage.commit_shard("final", {f"final/{k}": v for k, v in objects.items()}, {"epoch": int(ckpt.name)})
+    stage.complete({"final": stage.store.url(stage.key("data/final"))})
+    console.print(f"  final draft: {stage.store.url(stage.key('data/final'))}")
+
+
+def download_final(store: Store, run_id: str, dest: Path) -> Path:
+    """The committed final checkpoint as a local directory (for evaluate / inspect / vLLM)."""
+    from eagle_jobs.errors import NotReady
+
+    stage = Stage(store, run_id, STAGE)
+    m = stage.manifest("final")
+    if m is None:
+        raise NotReady(f"train of run '{run_id}' has no committed final checkpoint in {store.uri}: run `eagle-jobs train`")
+    dest.mkdir(parents=True, exist_ok=True)
+    for f, info in m["files"].items():
+        (dest / f.split("/", 1)[1]).write_bytes(stage.read(f, info))
+    return dest
