@@ -1,0 +1,339 @@
+"""Stage 4, evaluate: mean acceptance length tau under greedy chain speculative decoding.
+
+tau is tokens per verifier forward, bonus token included: vLLM's 1 + accepted/drafts.
+Backends:
+- transformers: a real speculative decoding loop on CPU. Verifier prefill; the
+  draft proposes k tokens from the verifier's fused aux states (its own hidden
+  output feeding its next step, as at EAGLE-3 test time); the verifier checks
+  them in one forward; the longest agreeing prefix plus the bonus token is kept.
+  Its output equals plain greedy decoding of the verifier (tested).
+- vllm: serve verifier + draft with --speculative-config and read the
+  vllm:spec_decode_* counters from /metrics.
+Also reported: the teacher-forced estimate from training's per-step accuracies,
+and the same loop with an untrained draft, so the gain is visible.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle_jobs.errors import BadInput
+from eagle_jobs.progress import console, stage_progress
+from eagle_jobs.prompts import load_prompts
+from eagle_jobs.recipe import PromptSpec, Recipe
+from eagle_jobs.store import Stage, Store
+
+STAGE = "eval"
+
+
+@dataclass
+class Acceptance:
+    k: int
+    rounds: int = 0
+    accepted: int = 0
+    tokens: int = 0
+    per_pos: list[int] = field(default_factory=list)
+
+    def add(self, a: int) -> None:
+        if not self.per_pos:
+            self.per_pos = [0] * self.k
+        self.rounds += 1
+        self.accepted += a
+        for i in range(a):
+            self.per_pos[i] += 1
+
+    @property
+    def tau(self) -> float:
+        return 1 + self.accepted / self.rounds if self.rounds else 1.0
+
+    def per_position(self) -> list[float]:
+        return [c / self.rounds if self.rounds else 0.0 for c in (self.per_pos or [0] * self.k)]
+
+
+# -- the draft at test time ---------------------------------------------------------------
+def load_draft(path: Path, verifier_path: str, untrained: bool = False, seed: int = 0):
+    """The trained draft from its checkpoint, or the same architecture untrained (baseline)."""
+    from safetensors import safe_open
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    config = Eagle3DraftModel.config_class.from_pretrained(str(path))
+    config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 - never serialized
+    config.speculators_config.verifier.name_or_path = verifier_path
+    if not untrained:
+        model = Eagle3DraftModel.from_pretrained(str(path), config=config)
+    else:
+        torch.manual_seed(seed)
+        model = Eagle3DraftModel(config)
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            keys = set(f.keys())
+            model.load_vocab_mappings(f.get_tensor("t2d") if "t2d" in keys else None,
+                                      f.get_tensor("d2t") if "d2t" in keys else None)
+        model.load_verifier_weights()
+        # load_verifier_weights leaves the draft lm_head as the t2d-sliced verifier head
+    return model.float().eval()
+
+
+class DraftProposer:
+    """Chain drafting with speculators' Eagle3DraftModel modules, mirroring its TTT forward."""
+
+    def __init__(self, model):
+        self.m = model
+        d2t = getattr(model, "d2t", None)
+        self.d2t = d2t.long() if d2t is not None else None
+
+    def _to_target(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx + self.d2t[idx] if self.d2t is not None else idx
+
+    @torch.inference_mode()
+    def propose(self, aux: torch.Tensor, next_ids: list[int], k: int) -> list[int]:
+        """aux: [1, n, L*H] verifier states g_0..g_{n-1}; next_ids: x_1..x_n. Returns k target ids."""
+        from transformers import DynamicCache
+
+        m = self.m
+        n = aux.shape[1]
+        h = aux.float()
+        if m.input_norm is not None:
+            h = m.input_norm(h)
+        if m.fc_norm is not None:
+            h = torch.cat([nm(c) for nm, c in zip(m.fc_norm, h.chunk(len(m.fc_norm), dim=-1))], dim=-1)
+        h = m.fc(h)
+        ids = torch.tensor([next_ids])
+        pos = torch.arange(1, n + 1).unsqueeze(0)  # shift_batch: positions start at 1
+        cache = DynamicCache()
+        mask = m._build_attn_mask(torch.zeros(n, dtype=torch.long), n, h.device)  # noqa: SLF001
+        out: list[int] = []
+        for step in range(k):
+            x = torch.cat([m.embed_tokens(ids), h], dim=-1)
+            pe = m.rotary_emb(x, pos)
+            cache_pos = torch.arange(pos.shape[1]) + (0 if step == 0 else n + step - 1)
+            for layer in m.layers:
+                x = layer(x, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                          cache_position=cache_pos, position_embeddings=pe)
+            if m.config.norm_output:
+                x = m.norm(x)
+                logits = m.lm_head(x[:, -1])
+            else:
+                logits = m.lm_head(m.norm(x[:, -1]))
+            tok = int(self._to_target(logits.argmax(-1))[0])
+            out.append(tok)
+            # next step: one new query at the last position, seeing every cached key
+            ids, h, pos, mask = torch.tensor([[tok]]), x[:, -1:], pos[:, -1:] + 1, None
+        return out
+
+
+def speculative_generate(verifier, proposer: DraftProposer | None, aux_ids: list[int], prompt: list[int],
+                         k: int, max_new: int, eos: set[int], acc: Acceptance) -> list[int]:
+    """Greedy chain speculative decoding; returns the generated ids (stopping at EOS, inclusive)."""
+    from transformers import DynamicCache
+
+    model = verifier
+    cache = DynamicCache()
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt]), past_key_values=cache, use_cache=True, output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i] for i in aux_ids], dim=-1)  # [1, n, L*H]
+    nxt = int(out.logits[0, -1].argmax())
+    tokens, gen = list(prompt), [nxt]
+    while len(gen) < max_new and nxt not in eos:
+        drafts = proposer.propose(feats, tokens[1:] + [nxt], k)
+        block = [nxt, *drafts]
+        with torch.inference_mode():
+            o = model(torch.tensor([block]), past_key_values=cache, use_cache=True, output_hidden_states=True)
+        pred = o.logits[0].argmax(-1).tolist()
+        a = 0
+        while a < k and pred[a] == drafts[a]:
+            a += 1
+        acc.add(a)
+        new = drafts[:a] + [pred[a]]
+        if a < k:  # drop the rejected drafts' keys
+            cache.crop(-(k - a))
+        feats = torch.cat([feats, torch.cat([o.hidden_states[i] for i in aux_ids], dim=-1)[:, : a + 1]], dim=1)
+        tokens += [nxt, *drafts[:a]]
+        for t in new:
+            gen.append(t)
+            if t in eos or len(gen) >= max_new:
+                break
+        acc.tokens += len(new)
+        nxt = gen[-1]
+    return gen[:max_new]
+
+
+# -- prompts --------------------------------------------------------------------------------
+def eval_prompts(recipe: Recipe, prompts: Path | None) -> list[list[dict]]:
+    if prompts is not None:
+        convs = load_prompts(PromptSpec(source=str(prompts), validation=0))
+    else:
+        convs = [c for c in load_prompts(recipe.prompts) if c.split == "validation"]
+        if not convs:
+            raise BadInput("evaluate: the recipe's prompt set has no validation split; set prompts.validation or pass --prompts")
+    out = []
+    for c in convs:
+        msgs = [m for m in c.messages if m["role"] != "assistant"]
+        last_user = max(i for i, m in enumerate(msgs) if m["role"] == "user")
+        out.append(msgs[: last_user + 1][-3:] if msgs[0]["role"] != "system" else msgs[: last_user + 1])
+    n = recipe.evaluate.num_prompts
+    return out[:n] if n else out
+
+
+# -- checks before any long work --------------------------------------------------------------
+def check_draft_matches(recipe: Recipe, draft_cfg: dict, extraction_layers: list[int] | None, verifier_arch) -> None:
+    aux = draft_cfg.get("eagle_aux_hidden_state_layer_ids")
+    if aux != recipe.aux_layer_ids:
+        raise BadInput(f"draft aux layer ids {aux} != recipe aux_layer_ids {recipe.aux_layer_ids}")
+    if extraction_layers is not None and aux != extraction_layers[:-1]:
+        raise BadInput(f"draft aux layer ids {aux} != the extraction's {extraction_layers[:-1]}")
+    ver = (draft_cfg.get("speculators_config") or {}).get("verifier") or {}
+    want = ver.get("architectures")
+    if want and verifier_arch and list(want) != list(verifier_arch):
+        raise BadInput(f"draft was trained for a {want} verifier, the recipe's verifier is {verifier_arch}")
+
+
+# -- backends ----------------------------------------------------------------------------------
+def evaluate_transformers(recipe: Recipe, draft_dir: Path, prompts: list[list[dict]], untrained: bool) -> dict:
+    from eagle_jobs.capture import chat_template_kwargs
+    from eagle_jobs.verifier import load_verifier
+
+    v = load_verifier(recipe.verifier)
+    proposer = DraftProposer(load_draft(draft_dir, v.path, untrained=untrained, seed=recipe.train.seed))
+    k = recipe.evaluate.num_speculative_tokens
+    acc = Acceptance(k)
+    eos_id = v.model.generation_config.eos_token_id
+    eos = set(eos_id if isinstance(eos_id, list) else [eos_id or v.tokenizer.eos_token_id])
+    outputs = []
+    kw = chat_template_kwargs(recipe)
+    label = "evaluate (untrained draft)" if untrained else "evaluate"
+    with stage_progress(label, len(prompts), "prompts") as advance:
+        for msgs in prompts:
+            enc = v.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kw)
+            prompt = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+            before = acc.tokens
+            gen = speculative_generate(v.model, proposer, recipe.aux_layer_ids, prompt, k,
+                                       recipe.evaluate.max_new_tokens, eos, acc)
+            outputs.append(gen)
+            advance(1, acc.tokens - before)
+    return {"acceptance_length": acc.tau, "per_position_acceptance": acc.per_position(), "rounds": acc.rounds,
+            "tokens_generated": sum(len(g) for g in outputs), "outputs": outputs}
+
+
+_METRIC = re.compile(r'^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$')
+
+
+def parse_spec_metrics(text: str) -> dict:
+    """The vllm:spec_decode_* counters (vllm/v1/spec_decode/metrics.py) from a /metrics page."""
+    out: dict = {"per_pos": {}}
+    for line in text.splitlines():
+        m = _METRIC.match(line.strip())
+        if not m:
+            continue
+        name, labels, val = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            pos = int(re.search(r'position="(\d+)"', labels).group(1))
+            out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + val
+        else:
+            out[name.removeprefix("vllm:spec_decode_")] = out.get(name.removeprefix("vllm:spec_decode_"), 0.0) + val
+    return out
+
+
+def evaluate_vllm(recipe: Recipe, draft_dir: Path, prompts: list[list[dict]]) -> dict:
+    import httpx
+
+    from eagle_jobs.capture import chat_template_kwargs
+    from eagle_jobs.vllm_server import vllm_endpoint
+
+    k = recipe.evaluate.num_speculative_tokens
+    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+    with vllm_endpoint(recipe.evaluate.vllm, recipe.verifier.model, ["--speculative-config", json.dumps(spec)]) as base:
+        before = parse_spec_metrics(httpx.get(f"{base}/metrics", timeout=30).text)
+        model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+        tokens = 0
+        kw = chat_template_kwargs(recipe)
+        with httpx.Client(timeout=recipe.evaluate.vllm.request_timeout_s) as c, \
+                stage_progress("evaluate (vllm)", len(prompts), "prompts") as advance:
+            for msgs in prompts:
+                body = {"model": model, "messages": msgs, "max_tokens": recipe.evaluate.max_new_tokens,
+                        "temperature": 0.0, **({"chat_template_kwargs": kw} if kw else {})}
+                r = c.post(f"{base}/v1/chat/completions", json=body)
+                r.raise_for_status()
+                n = r.json()["usage"]["completion_tokens"]
+                tokens += n
+                advance(1, n)
+        after = parse_spec_metrics(httpx.get(f"{base}/metrics", timeout=30).text)
+    drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
+    accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
+    per_pos = [(after["per_pos"].get(i, 0) - before["per_pos"].get(i, 0)) / drafts if drafts else 0.0 for i in range(k)]
+    return {"acceptance_length": 1 + accepted / drafts if drafts else 1.0, "per_position_acceptance": per_pos,
+            "rounds": int(drafts), "tokens_generated": tokens, "outputs": []}
+
+
+def teacher_forced_estimate(metrics: list[dict], k: int) -> float | None:
+    """1 + sum_i P(first i+1 draft steps all right), from the last validation epoch's full_acc_i."""
+    vals = [m["val"] for m in metrics if "val" in m]
+    if not vals:
+        return None
+    last = vals[-1]
+    accs = [last.get(f"full_acc_{i}_epoch") for i in range(k)]
+    accs = [a for a in accs if a is not None]
+    return 1 + sum(accs) if accs else None
+
+
+def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None = None,
+                 output: Path | None = None) -> dict:
+    from eagle_jobs.extract import extraction_info
+    from eagle_jobs.train import download_final
+    from eagle_jobs.verifier import load_config
+
+    msgs = eval_prompts(recipe, prompts)  # bad prompt files fail here, before any model loads
+    work = Path(tempfile.mkdtemp(prefix="eagle-eval-"))
+    draft_dir = download_final(store, run_id, work / "draft")
+    draft_cfg = json.loads((draft_dir / "config.json").read_text())
+    try:
+        layers = extraction_info(store, run_id)["layer_ids"]
+    except Exception:  # noqa: BLE001 - a draft evaluated without its extraction in this store
+        layers = None
+    check_draft_matches(recipe, draft_cfg, layers, getattr(load_config(recipe.verifier), "architectures", None))
+    train_cfg = json.loads((draft_dir / "train_config.json").read_text())
+    metrics = json.loads((draft_dir / "metrics.json").read_text())
+    k = recipe.evaluate.num_speculative_tokens
+    console.print(f"[bold]evaluate[/] {len(msgs)} prompts, k={k}, backend {recipe.evaluate.backend}")
+    if recipe.evaluate.backend == "transformers":
+        res = evaluate_transformers(recipe, draft_dir, msgs, untrained=False)
+        base = evaluate_transformers(recipe, draft_dir, msgs, untrained=True)
+    else:
+        res = evaluate_vllm(recipe, draft_dir, msgs)
+        base = None
+    report = {
+        "acceptance_length": res["acceptance_length"], "per_position_acceptance": res["per_position_acceptance"],
+        "num_speculative_tokens": k, "num_prompts": len(msgs), "tokens_generated": res["tokens_generated"],
+        "verifier_forwards": res["rounds"], "verifier": recipe.verifier.model,
+        "draft": store.url(Stage(store, run_id, "train").key("data/final")),
+        "baseline_acceptance_length": base["acceptance_length"] if base else None,
+        "baseline_per_position_acceptance": base["per_position_acceptance"] if base else None,
+        "baseline_note": "the same loop with an untrained draft (same shape, vocab mapping and verifier embeddings)",
+        "teacher_forced_estimate": teacher_forced_estimate(metrics, k),
+        "teacher_forced_note": "1 + sum of training's last validation full_acc_i: an estimate, not a measurement",
+        "backend": recipe.evaluate.backend, "prompts": str(prompts) if prompts else "validation split",
+        "train": {k2: train_cfg.get(k2) for k2 in ("samples", "epochs", "total_steps", "parameters")},
+        "run_id": run_id,
+    }
+    from eagle_jobs.report import write_report
+
+    files = write_report(report, metrics)
+    stage = Stage(store, run_id, STAGE)
+    if output is not None:
+        output.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (output / name).write_bytes(data)
+        where = str(output / "report.md")
+    else:
+        stage.commit_shard("report", files, {"acceptance_length": report["acceptance_length"]})
+        stage.complete({"acceptance_length": report["acceptance_length"]})
+        where = store.url(stage.key("data/report.md"))
+    report["report_path"] = where
+    console.print(f"  tau = {report['acceptance_length']:.3f} (untrained draft: "
+                  f"{report['baseline_acceptance_length'] or float('nan'):.3f}); report: {where}")
+    return report

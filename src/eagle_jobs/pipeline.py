@@ -1,0 +1,58 @@
+"""`eagle-jobs run`: every stage in order, each skipped when already committed."""
+
+from __future__ import annotations
+
+import time
+
+from rich.table import Table
+
+from eagle_jobs.errors import BadInput
+from eagle_jobs.progress import console
+from eagle_jobs.recipe import Recipe
+from eagle_jobs.store import Stage, Store
+
+STAGES = ["capture", "extract", "train", "evaluate"]
+STAGE_DIRS = {"capture": "capture", "extract": "extract", "train": "train", "evaluate": "eval"}
+
+
+def run_pipeline(recipe: Recipe, store: Store, run_id: str, stages: list[str] | None = None) -> dict:
+    from eagle_jobs.capture import run_capture
+    from eagle_jobs.evaluate import run_evaluate
+    from eagle_jobs.extract import run_extract
+    from eagle_jobs.train import run_train
+
+    wanted = stages or STAGES
+    unknown = [s for s in wanted if s not in STAGES]
+    if unknown:
+        raise BadInput(f"--stages: unknown stage(s) {unknown}; choose from {STAGES}")
+    runners = {
+        "capture": lambda: run_capture(recipe, store, run_id, 0, 1),
+        "extract": lambda: run_extract(recipe, store, run_id, 0, 1),
+        "train": lambda: run_train(recipe, store, run_id),
+        "evaluate": lambda: run_evaluate(recipe, store, run_id),
+    }
+    rows, tau = [], None
+    for name in STAGES:
+        if name not in wanted:
+            continue
+        stage = Stage(store, run_id, STAGE_DIRS[name])
+        t0 = time.perf_counter()
+        if stage.is_complete():
+            status = "skipped (committed)"
+        else:
+            console.rule(f"[bold]{name}")
+            runners[name]()
+            status = "done"
+        if name == "evaluate":
+            tau = (stage.completion() or {}).get("acceptance_length")
+        rows.append((name, status, f"{time.perf_counter() - t0:.0f}s", store.url(stage.prefix)))
+    table = Table(title=f"eagle-jobs run '{run_id}' ({recipe.name})")
+    for col in ("stage", "status", "time", "artifacts"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(*r)
+    console.print(table)
+    if tau is not None:
+        console.print(f"[bold]acceptance length tau = {tau:.3f}[/] at k={recipe.evaluate.num_speculative_tokens}; "
+                      f"report: {store.url(Stage(store, run_id, 'eval').key('data/report.md'))}")
+    return {"stages": rows, "acceptance_length": tau}

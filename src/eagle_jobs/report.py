@@ -1,0 +1,93 @@
+"""The evaluation report: report.json for machines, report.md + PNG plots for people."""
+
+from __future__ import annotations
+
+import io
+import json
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def _series(metrics: list[dict], key_prefix: str) -> dict[str, list[tuple[int, float]]]:
+    out: dict[str, list[tuple[int, float]]] = {}
+    for m in metrics:
+        if "train" not in m:
+            continue
+        for k, v in m["train"].items():
+            if k.startswith(key_prefix) and isinstance(v, (int, float)):
+                out.setdefault(k, []).append((m.get("global_step", 0), float(v)))
+    return out
+
+
+def write_report(report: dict, metrics: list[dict]) -> dict[str, bytes]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files: dict[str, bytes] = {}
+    # 1. training loss and per-step accuracy over steps
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for name, pts in sorted(_series(metrics, "loss").items()):
+        if name in ("loss_sum", "loss_total"):
+            continue
+        ax1.plot([p[0] for p in pts], [p[1] for p in pts], label=name)
+    ax1.set(title="training loss", xlabel="step")
+    ax1.legend(fontsize=7)
+    for name, pts in sorted(_series(metrics, "full_acc").items()):
+        ax2.plot([p[0] for p in pts], [p[1] for p in pts], label=name)
+    ax2.set(title="per-step accuracy (teacher forced)", xlabel="step", ylim=(0, 1))
+    ax2.legend(fontsize=7)
+    files["training.png"] = _png(fig)
+    plt.close(fig)
+    # 2. per-position acceptance, trained vs untrained
+    k = report["num_speculative_tokens"]
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    xs = list(range(1, k + 1))
+    ax.bar([x - 0.2 for x in xs], report["per_position_acceptance"], width=0.4, label="trained draft")
+    if report.get("baseline_per_position_acceptance"):
+        ax.bar([x + 0.2 for x in xs], report["baseline_per_position_acceptance"], width=0.4, label="untrained draft")
+    ax.set(title="acceptance by draft position", xlabel="position", ylabel="rate", ylim=(0, 1), xticks=xs)
+    ax.legend(fontsize=8)
+    files["acceptance.png"] = _png(fig)
+    plt.close(fig)
+    # 3. tau against the baseline
+    fig, ax = plt.subplots(figsize=(4.5, 3.4))
+    names, vals = ["trained"], [report["acceptance_length"]]
+    if report.get("baseline_acceptance_length") is not None:
+        names.append("untrained")
+        vals.append(report["baseline_acceptance_length"])
+    if report.get("teacher_forced_estimate") is not None:
+        names.append("teacher-forced\nestimate")
+        vals.append(report["teacher_forced_estimate"])
+    ax.bar(names, vals, color=["tab:blue", "tab:gray", "tab:orange"][: len(vals)])
+    ax.axhline(1.0, color="black", lw=0.6)
+    ax.set(title=f"acceptance length tau (k={k})", ylim=(0, k + 1))
+    for i, v in enumerate(vals):
+        ax.text(i, v + 0.05, f"{v:.2f}", ha="center")
+    files["tau.png"] = _png(fig)
+    plt.close(fig)
+
+    base = report.get("baseline_acceptance_length")
+    tf = report.get("teacher_forced_estimate")
+    per = ", ".join(f"{p:.2f}" for p in report["per_position_acceptance"])
+    md = [
+        f"# EAGLE-3 draft evaluation: run `{report['run_id']}`", "",
+        f"- verifier: `{report['verifier']}`", f"- draft: `{report['draft']}`",
+        f"- prompts: {report['num_prompts']} ({report['prompts']}), {report['tokens_generated']} tokens generated, "
+        f"{report['verifier_forwards']} verifier forwards, backend `{report['backend']}`", "",
+        "| measure | value |", "|---|---|",
+        f"| acceptance length tau (k={k}, greedy chain) | **{report['acceptance_length']:.3f}** |",
+        f"| untrained draft, same loop | {base:.3f} |" if base is not None else "| untrained draft | not run |",
+        f"| teacher-forced estimate (training metrics) | {tf:.3f} |" if tf is not None else "| teacher-forced estimate | n/a |",
+        f"| per-position acceptance | {per} |", "",
+        "tau = tokens per verifier forward, bonus token included (vLLM's 1 + accepted/drafts).", "",
+        "![training](training.png)", "", "![acceptance by position](acceptance.png)", "", "![tau](tau.png)", "",
+    ]
+    files["report.md"] = "\n".join(md).encode()
+    files["report.json"] = json.dumps({k2: v for k2, v in report.items() if k2 != "outputs"}, indent=1).encode()
+    return files

@@ -1,0 +1,177 @@
+"""capture -> extract -> train -> inspect on the tiny Kimi-shaped verifier, file:// and moto S3."""
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle_jobs.capture import run_capture
+from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
+from eagle_jobs.extract import run_extract
+from eagle_jobs.inspect import run_inspect
+from eagle_jobs.store import Stage, Store
+from eagle_jobs.train import download_final, run_train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _prepared(recipe, uri, run="r"):
+    st = Store.open(uri)
+    st.check()
+    run_capture(recipe, st, run)
+    run_extract(recipe, st, run)
+    return st
+
+
+def test_end_to_end_and_reload_with_speculators(tiny_recipe, store_uri, tmp_path):
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    recipe = tiny_recipe()
+    st = _prepared(recipe, store_uri)
+    rec = run_train(recipe, st, "r", work_dir=tmp_path / "w")
+    assert rec["samples"] == {"train": 13, "validation": 2} or sum(rec["samples"].values()) == 15
+    assert rec["epochs"] == 2 and rec["scheduler"] == "cosine" and rec["total_steps"] == 2 * rec["steps_per_epoch"]
+    assert 0 < rec["parameters"]["trainable"] < rec["parameters"]["total"]
+    stage = Stage(st, "r", "train")
+    assert stage.is_complete()
+    assert [m["shard"] for m in stage.manifests()] == ["checkpoint-0000", "checkpoint-0001", "final"]
+    final = download_final(st, "r", tmp_path / "final")
+    tc = json.loads((final / "train_config.json").read_text())
+    assert tc["samples"]["validation"] == 2 and tc["parameters"] == rec["parameters"]
+    cfg = json.loads((final / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and cfg["draft_vocab_size"] == 128
+    assert cfg["transformer_layer_config"]["head_dim"] == 16 and cfg["norm_before_fc"] is True
+    from safetensors import safe_open
+
+    with safe_open(str(final / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16
+        d2t = f.get_tensor("d2t")
+        assert d2t.dtype == torch.int64 and d2t.shape == (128,)
+    # the draft reloads with speculators' own from_pretrained
+    config = Eagle3DraftModel.config_class.from_pretrained(str(final))
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    m = Eagle3DraftModel.from_pretrained(str(final), config=config)
+    assert m.fc.weight.shape == (64, 3 * 64) and torch.isfinite(m.fc.weight).all()
+    # and passes inspect
+    assert run_inspect(str(final)) == ExitCode.OK
+    assert run_inspect(st.url("r/train/data/final")) == ExitCode.OK
+
+
+def test_bf16_states_into_fp32_master_draft(tiny_recipe, tmp_path, monkeypatch):
+    """The seed's dtype crash: stored bf16 states must meet an fp32-master draft without a mismatch."""
+    recipe = tiny_recipe(train={"epochs": 1})
+    st = _prepared(recipe, f"file://{tmp_path}/s")
+    seen = {}
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    orig = Eagle3DraftModel.forward
+
+    def spy(self, hidden_states, *a, **kw):
+        seen["hs"], seen["param"] = hidden_states.dtype, self.fc.weight.dtype
+        return orig(self, hidden_states, *a, **kw)
+
+    monkeypatch.setattr(Eagle3DraftModel, "forward", spy)
+    run_train(recipe, st, "r", work_dir=tmp_path / "w")
+    assert seen["param"] == torch.float32 and seen["hs"] == torch.float32  # upcast on CPU, fp32 master
+    (m,) = [m for m in Stage(st, "r", "extract").manifests()][:1]
+    assert m["samples"][0]["tensors"]["hidden_states"]["dtype"] == "BF16"
+
+
+def test_loss_decreases_on_its_training_data(tiny_recipe, tmp_path):
+    recipe = tiny_recipe(train={"epochs": 8, "lr": 3e-3})
+    st = _prepared(recipe, f"file://{tmp_path}/s")
+    rec = run_train(recipe, st, "r", work_dir=tmp_path / "w")
+    losses = [m["train"]["loss_0"] for m in rec["metrics"] if "train" in m and "loss_0" in m["train"]]
+    assert len(losses) >= 8 and sum(losses[-2:]) < 0.7 * sum(losses[:2])
+
+
+def test_resume_after_sigterm_mid_training(tiny_recipe, tmp_path, monkeypatch):
+    """A pod killed mid-training resumes from its last committed checkpoint, optimizer and scheduler included."""
+    recipe = tiny_recipe(train={"epochs": 3, "total_seq_len": 64})
+    st = _prepared(recipe, f"file://{tmp_path}/s")
+    from eagle_jobs import speculators_compat as compat
+
+    orig = compat.StoreTrainer.train_epoch
+    fired = {"n": 0}
+
+    def killing_epoch(self, epoch, *, step_callback=None):
+        def cb():
+            fired["n"] += 1
+            if step_callback:
+                step_callback()
+            if epoch == 1 and self._cur_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        return orig(self, epoch, step_callback=cb)
+
+    monkeypatch.setattr(compat.StoreTrainer, "train_epoch", killing_epoch)
+    with pytest.raises(EagleJobsError) as e:
+        run_train(recipe, st, "r", work_dir=tmp_path / "w")
+    assert e.value.code == ExitCode.INTERRUPTED
+    stage = Stage(st, "r", "train")
+    ckpts = {m["shard"]: m for m in stage.manifests()}
+    assert set(ckpts) == {"checkpoint-0000", "checkpoint-0001"} and ckpts["checkpoint-0001"]["local_step"] == 2
+    files = ckpts["checkpoint-0001"]["files"]
+    assert "checkpoint-0001/optimizer_state_dict.state.safetensors" in files
+    assert not any(f.endswith(".pt") for f in files)  # nothing pickled goes to the store
+    monkeypatch.setattr(compat.StoreTrainer, "train_epoch", orig)
+    loaded = {}
+    real_load = compat._trainer.Trainer.setup_optimizer
+
+    def spy_opt(self):
+        real_load(self)
+        loaded["step"] = self.global_step
+        loaded["lr"] = self.schedulers[0].last_epoch if self.schedulers else None
+        loaded["state"] = len(self.optimizers[0].state)
+
+    monkeypatch.setattr(compat._trainer.Trainer, "setup_optimizer", spy_opt)
+    rec = run_train(recipe, st, "r", work_dir=tmp_path / "w2")  # a fresh pod: empty local disk
+    assert loaded["state"] > 0 and loaded["lr"] > 0  # optimizer moments and scheduler position restored
+    assert loaded["step"] == rec["steps_per_epoch"] + 2  # resumed mid-epoch 1 at step 2
+    assert stage.is_complete()
+
+
+def test_train_refuses_draft_with_other_aux_ids(tiny_recipe, tmp_path):
+    st = _prepared(tiny_recipe(), f"file://{tmp_path}/s")
+    with pytest.raises(BadInput, match=r"stored aux layers \[1, 2, 3\].*wants \[0, 1, 2\]"):
+        run_train(tiny_recipe(aux_layer_ids=[0, 1, 2]), st, "r", work_dir=tmp_path / "w")
+
+
+@pytest.mark.parametrize("draft,msg", [
+    ({"hidden_size": 128}, "!= verifier hidden size 64"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 3}, "not divisible"),
+    ({"draft_vocab_size": 100000}, "> verifier vocab"),
+])
+def test_impossible_draft_shapes_rejected_with_numbers(tiny_recipe, tmp_path, draft, msg):
+    st = _prepared(tiny_recipe(), f"file://{tmp_path}/s")
+    with pytest.raises(BadInput, match=msg):
+        run_train(tiny_recipe(draft=draft), st, "r", work_dir=tmp_path / "w")
+
+
+def test_derived_shape_is_printed(tiny_recipe, capsys):
+    from eagle_jobs.draft import resolve_shape
+    from eagle_jobs.verifier import load_config, text_config
+
+    r = tiny_recipe(draft={"num_attention_heads": None, "num_key_value_heads": None, "head_dim": None,
+                           "intermediate_size": None})
+    shape = resolve_shape(r, text_config(load_config(r.verifier)))
+    assert (shape.num_attention_heads, shape.head_dim) == (4, 16)
+    assert "derived" in shape.describe() and "head_dim" in shape.describe()
+
+
+def test_kimi_recipe_shape_is_the_reference(tmp_path):
+    """The Kimi recipes pin 64 heads x head_dim 128 on hidden 7168 (not the derived 112)."""
+    from types import SimpleNamespace
+
+    from eagle_jobs.draft import resolve_shape
+    from eagle_jobs.recipe import load_recipe
+
+    kimi_text = SimpleNamespace(num_hidden_layers=61, hidden_size=7168, vocab_size=163840, num_attention_heads=64,
+                                num_key_value_heads=64, intermediate_size=18432, kv_lora_rank=512)
+    s = resolve_shape(load_recipe(REPO / "jobs/kimi-k2.5-smoke.yaml"), kimi_text)
+    assert (s.hidden_size, s.num_attention_heads, s.head_dim, s.draft_vocab_size) == (7168, 64, 128, 32000)
+    assert s.derived == ()
