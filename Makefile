@@ -7,7 +7,7 @@ BIN     = $(VENV)/bin
 #   make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv test demo demo-large lint clean
+.PHONY: venv test demo demo-large clean k8s-recipes
 
 venv: $(VENV)/.installed
 
@@ -31,3 +31,9 @@ demo-large: venv
 
 clean:
 	rm -rf store out .cache
+
+# kustomize reads files only below each kustomization: keep the recipe copies equal to jobs/
+k8s-recipes:
+	cp jobs/demo.yaml k8s/base/recipe.yaml
+	cp jobs/kimi-k2.5-smoke.yaml k8s/overlays/smoke/recipe.yaml
+	cp jobs/kimi-k2.5.yaml k8s/overlays/full/recipe.yaml

@@ -107,6 +107,22 @@ def inspect(checkpoint: Annotated[str, typer.Argument(help="checkpoint directory
     raise typer.Exit(int(code))
 
 
+@app.command("serve-vllm")
+def serve_vllm(recipe: RecipeOpt,
+               stage: Annotated[str, typer.Option(help="capture, extract or evaluate")],
+               store: StoreOpt = None, run_id: RunOpt = None, shard_index: IndexOpt = None,
+               dry_run: Annotated[bool, typer.Option(help="print the command instead of running it")] = False):
+    """Exec `vllm serve` with exactly the arguments a stage needs (the pod's vLLM sidecar)."""
+    from eagle_jobs.vllm_server import stage_serve_command
+
+    r, st, rid = _context(recipe, store, run_id)
+    cmd = stage_serve_command(r, stage, st, rid, shard_index)
+    if dry_run:
+        print(" ".join(cmd))
+        return
+    os.execvp(cmd[0], cmd)
+
+
 def main() -> None:
     try:
         app(standalone_mode=False)

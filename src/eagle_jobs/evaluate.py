@@ -239,6 +239,11 @@ def parse_spec_metrics(text: str) -> dict:
     return out
 
 
+def vllm_speculative_args(recipe: Recipe, draft_dir: Path) -> list[str]:
+    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": recipe.evaluate.num_speculative_tokens}
+    return ["--speculative-config", json.dumps(spec)]
+
+
 def evaluate_vllm(recipe: Recipe, draft_dir: Path, prompts: list[list[dict]]) -> dict:
     import httpx
 
@@ -246,8 +251,7 @@ def evaluate_vllm(recipe: Recipe, draft_dir: Path, prompts: list[list[dict]]) ->
     from eagle_jobs.vllm_server import vllm_endpoint
 
     k = recipe.evaluate.num_speculative_tokens
-    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
-    with vllm_endpoint(recipe.evaluate.vllm, recipe.verifier.model, ["--speculative-config", json.dumps(spec)]) as base:
+    with vllm_endpoint(recipe.evaluate.vllm, recipe.verifier.model, vllm_speculative_args(recipe, draft_dir)) as base:
         before = parse_spec_metrics(httpx.get(f"{base}/metrics", timeout=30).text)
         model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
         tokens = 0

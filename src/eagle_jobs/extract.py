@@ -207,6 +207,13 @@ class VllmExtractor:
         pass
 
 
+def scratch_dir(recipe: Recipe, run_id: str, worker: int) -> Path:
+    """Where vLLM's connector writes and this worker reads (shared with the vLLM sidecar)."""
+    p = Path(recipe.extract.scratch_dir) / f"{run_id}-{worker}"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
 def shard_name(index: int, num: int, k: int) -> str:
     return f"{worker_tag(index, num)}-{k:05d}"
 
@@ -234,8 +241,7 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
         else:
             from eagle_jobs.vllm_server import vllm_endpoint
 
-            scratch = Path(recipe.extract.scratch_dir) / f"{run_id}-{idx}"
-            scratch.mkdir(parents=True, exist_ok=True)
+            scratch = scratch_dir(recipe, run_id, idx)
             args = VllmExtractor.serve_args(recipe, layer_ids, scratch)
             with vllm_endpoint(recipe.extract.vllm, recipe.verifier.model, args) as base:
                 _extract_shards(recipe, stage, idx, n, todo, VllmExtractor(recipe, base, scratch),

@@ -30,6 +30,8 @@ class VerifierSpec(Section):
     model: str
     revision: str | None = None
     trust_remote_code: bool = False
+    # The text model's layer count, for `plan` and checks where its config cannot be read.
+    num_layers: int | None = Field(default=None, gt=0)
     # Weights and hidden states in this dtype on the CPU/transformers backends.
     dtype: Literal["float32", "bfloat16"] = "float32"
 
@@ -190,10 +192,16 @@ class Recipe(Section):
             raise ValueError("evaluate.num_speculative_tokens is far above train.ttt_steps")
         return self
 
-    def digest(self) -> str:
-        """Content hash of the resolved recipe (lineage, cache keys)."""
-        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+    def digest(self, sections: tuple[str, ...] | None = None) -> str:
+        """Content hash of the resolved recipe, or of some of its sections (lineage, cache keys)."""
+        data = self.model_dump(mode="json")
+        if sections is not None:
+            data = {k: data[k] for k in sections}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    def train_digest(self) -> str:
+        """What a training checkpoint depends on: resuming under another value would be wrong."""
+        return self.digest(("verifier", "aux_layer_ids", "draft", "train"))
 
 
 def _loc(err: dict) -> str:

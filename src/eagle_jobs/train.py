@@ -124,7 +124,7 @@ def committed_checkpoints(stage: Stage) -> list[dict]:
     return [m for m in stage.manifests() if m["shard"].startswith("checkpoint-")]
 
 
-def restore_latest(stage: Stage, local: Path) -> int | None:
+def restore_latest(stage: Stage, local: Path, recipe_digest: str) -> int | None:
     """Put the newest committed checkpoint where speculators' Trainer resumes from."""
     from eagle_jobs.speculators_compat import import_checkpoint_dir
 
@@ -132,6 +132,9 @@ def restore_latest(stage: Stage, local: Path) -> int | None:
     if not ckpts:
         return None
     m = max(ckpts, key=lambda m: (m["epoch"], m["local_step"]))
+    if m.get("recipe_digest") != recipe_digest:
+        raise BadInput(f"run '{stage.run_id}' has checkpoints from another recipe (digest {m.get('recipe_digest')}, "
+                       f"this one {recipe_digest}): use a new --run-id, or delete {stage.store.url(stage.prefix)}")
     objects = {f.split("/", 1)[1]: stage.read(f, info) for f, info in m["files"].items()}
     import_checkpoint_dir(objects, local / str(m["epoch"]))
     return m["epoch"]
@@ -150,11 +153,12 @@ def commit_checkpoint(stage: Stage, local: Path, epoch: int, local_step: int, ex
 def maybe_relaunch_under_torchrun(recipe: Recipe) -> None:
     """`eagle-jobs train` with nproc_per_node > 1 re-executes itself under torchrun."""
     t = recipe.train
-    if t.nproc_per_node * t.nnodes <= 1 or "LOCAL_RANK" in os.environ or not torch.cuda.is_available():
+    nnodes = int(os.environ.get("EAGLE_JOBS_NNODES") or t.nnodes)  # full-multinode overlay sets it
+    if t.nproc_per_node * nnodes <= 1 or "LOCAL_RANK" in os.environ or not torch.cuda.is_available():
         return
     args = ["--nproc_per_node", str(t.nproc_per_node)]
-    if t.nnodes > 1:
-        args += ["--nnodes", str(t.nnodes), "--node_rank", os.environ.get("JOB_COMPLETION_INDEX", "0"),
+    if nnodes > 1:
+        args += ["--nnodes", str(nnodes), "--node_rank", os.environ.get("JOB_COMPLETION_INDEX", "0"),
                  "--rdzv_backend", "c10d", "--rdzv_endpoint", os.environ["EAGLE_JOBS_RDZV_ENDPOINT"]]
     else:
         args.insert(0, "--standalone")
@@ -250,7 +254,7 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     ckpt_dir = work / "checkpoints"
     if get_rank() == 0:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
-        resumed = restore_latest(stage, ckpt_dir)
+        resumed = restore_latest(stage, ckpt_dir, recipe.train_digest())
         if resumed is not None:
             console.print(f"  resuming from committed checkpoint of epoch {resumed}")
     train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
@@ -282,7 +286,7 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     def on_checkpoint(epoch: int, local_step: int) -> None:
         (ckpt_dir / str(epoch) / "train_config.json").write_text(json.dumps(record, indent=1))
         (ckpt_dir / str(epoch) / "metrics.json").write_text(json.dumps(recorder.records))
-        commit_checkpoint(stage, ckpt_dir, epoch, local_step, {"recipe_digest": recipe.digest()})
+        commit_checkpoint(stage, ckpt_dir, epoch, local_step, {"recipe_digest": recipe.train_digest()})
 
     trainer = compat.StoreTrainer(model, cfg, train_loader, val_loader, on_checkpoint=on_checkpoint)
     with warnings.catch_warnings():

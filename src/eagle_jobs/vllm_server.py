@@ -41,18 +41,31 @@ def wait_healthy(base: str, timeout_s: float, proc: subprocess.Popen | None = No
     raise Unavailable(f"server {base} not healthy after {timeout_s:.0f}s ({last}): check the server log, or raise health_timeout_s in the recipe")
 
 
+def serve_command(spec: VllmServerSpec, model: str, extra_args: list[str] | None = None) -> list[str]:
+    """`vllm serve ...` for a stage: the one definition the in-pod subprocess and the sidecar share.
+
+    0.0.0.0 because the kubelet probes the pod IP; no Service exposes the port.
+    """
+    return ["vllm", "serve", model, "--host", "0.0.0.0", "--port", str(spec.port), *spec.serve_args,
+            *(extra_args or [])]
+
+
 @contextmanager
 def vllm_endpoint(spec: VllmServerSpec, model: str, extra_args: list[str] | None = None):
-    """Yields the base URL (http://host:port) of a healthy server."""
-    if spec.endpoint:
-        base = spec.endpoint.rstrip("/").removesuffix("/v1")
+    """Yields the base URL (http://host:port) of a healthy server.
+
+    An endpoint from the recipe or $EAGLE_JOBS_VLLM_ENDPOINT (the pod's vLLM sidecar) is
+    used as it is; otherwise `vllm serve` runs here as a subprocess.
+    """
+    endpoint = spec.endpoint or os.environ.get("EAGLE_JOBS_VLLM_ENDPOINT")
+    if endpoint:
+        base = endpoint.rstrip("/").removesuffix("/v1")
         wait_healthy(base, spec.health_timeout_s)
         yield base
         return
-    exe = shutil.which("vllm")
-    if exe is None:
+    if shutil.which("vllm") is None:
         raise Unavailable("vllm is not installed here: set <stage>.vllm.endpoint in the recipe, or use the GPU image")
-    cmd = [exe, "serve", model, "--port", str(spec.port), *spec.serve_args, *(extra_args or [])]
+    cmd = serve_command(spec, model, extra_args)
     console.print(f"[bold]starting[/] {' '.join(cmd)}")
     proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr, start_new_session=True, env=os.environ.copy())
     base = f"http://127.0.0.1:{spec.port}"
@@ -86,3 +99,31 @@ async def post_with_retries(client: httpx.AsyncClient, url: str, body: dict, ret
         await asyncio.sleep(delay)
         delay = min(delay * 2, 30)
     raise AssertionError("unreachable")
+
+
+def stage_serve_command(recipe, stage: str, store, run_id: str, shard_index: int | None = None) -> list[str]:
+    """The `vllm serve` command of one stage, as the stage itself would start it."""
+    from pathlib import Path
+
+    from eagle_jobs.errors import BadInput
+
+    if stage == "capture":
+        return serve_command(recipe.capture.vllm, recipe.verifier.model)
+    if stage == "extract":
+        from eagle_jobs.draft import stored_layer_ids
+        from eagle_jobs.extract import VllmExtractor, scratch_dir
+        from eagle_jobs.sharding import resolve_worker
+        from eagle_jobs.verifier import num_layers
+
+        idx, _n = resolve_worker(shard_index, None)
+        n_layers = recipe.verifier.num_layers or num_layers(recipe.verifier)
+        scratch = scratch_dir(recipe, run_id, idx)
+        args = VllmExtractor.serve_args(recipe, stored_layer_ids(recipe.aux_layer_ids, n_layers), scratch)
+        return serve_command(recipe.extract.vllm, recipe.verifier.model, args)
+    if stage == "evaluate":
+        from eagle_jobs.evaluate import vllm_speculative_args
+        from eagle_jobs.train import download_final
+
+        draft = download_final(store, run_id, Path(os.environ.get("EAGLE_JOBS_WORK_DIR", "/tmp")) / "draft")
+        return serve_command(recipe.evaluate.vllm, recipe.verifier.model, vllm_speculative_args(recipe, draft))
+    raise BadInput(f"serve-vllm --stage {stage}: choose capture, extract or evaluate")

@@ -1,0 +1,130 @@
+"""`eagle-jobs plan`: the estimate before anyone books GPUs.
+
+Tokens, hidden-state bytes (bf16 and fp8), object count, store traffic and time
+per stage, from the recipe and stated throughputs (recipe `plan:` section).
+
+The training default, 0.5 samples/s per GPU, is the seed's measured point
+(10 samples x 3 epochs in about a minute on one RTX PRO 6000). The seed's own
+extrapolation to "about 33 minutes for 1,000 samples x 10 epochs" is off by
+10x: linear scaling of that point gives about 333 GPU-minutes (about 42 minutes
+on 8 GPUs in data parallel), which is what this prints.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rich.table import Table
+
+from eagle_jobs.draft import DraftShape, resolve_shape
+from eagle_jobs.hsformat import bytes_per_token
+from eagle_jobs.progress import console
+from eagle_jobs.recipe import Recipe
+
+
+def _human(n: float, unit: str = "B") -> str:
+    for p in ("", "K", "M", "G", "T", "P"):
+        if abs(n) < 1024 or p == "P":
+            return f"{n:,.1f} {p}{unit}" if p else f"{n:,.0f} {unit}"
+        n /= 1024
+    return f"{n} {unit}"
+
+
+def _duration(s: float) -> str:
+    return f"{s / 3600:.1f} h" if s >= 5400 else f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
+
+
+def draft_parameters(s: DraftShape, num_aux: int) -> dict[str, int]:
+    H, q, kv = s.hidden_size, s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+    layer = 2 * H * (q + 2 * kv) + q * H + 3 * H * s.intermediate_size + 3 * H
+    trainable = num_aux * H * H + layer * s.num_layers + H + num_aux * H
+    frozen = s.verifier_vocab_size * H + s.draft_vocab_size * H
+    return {"trainable": trainable, "total": trainable + frozen}
+
+
+def _verifier_text_config(recipe: Recipe):
+    """The verifier's text config if it can be read here; otherwise the recipe's own numbers."""
+    from types import SimpleNamespace
+
+    from pathlib import Path
+
+    from eagle_jobs.errors import BadInput
+    from eagle_jobs.verifier import load_config, text_config
+
+    v, d = recipe.verifier, recipe.draft
+    if v.model.startswith("pypi-gguf://") or Path(v.model).is_dir() or not (d.hidden_size and v.num_layers):
+        return text_config(load_config(v))
+    if d.hidden_size is None or v.num_layers is None:
+        raise BadInput("plan: set verifier.num_layers and draft.hidden_size, or make the verifier config readable")
+    return SimpleNamespace(num_hidden_layers=v.num_layers, hidden_size=d.hidden_size,
+                               vocab_size=max(d.draft_vocab_size, 163840), num_attention_heads=d.num_attention_heads,
+                               num_key_value_heads=d.num_key_value_heads, intermediate_size=d.intermediate_size)
+
+
+def _prompt_stats(recipe: Recipe) -> tuple[int, int, float]:
+    """(conversations, generations, mean prompt tokens) from the prompt set, or from the recipe's limit."""
+    try:
+        from eagle_jobs.prompts import load_prompts
+
+        convs = load_prompts(recipe.prompts)
+        gens = sum(len(c.user_prefixes()) for c in convs)
+        chars = sum(len(str(m["content"])) for c in convs for m in c.messages) / max(1, gens)
+        return len(convs), gens, chars / 4 + 32  # ~4 characters a token, plus template tokens
+    except Exception:  # noqa: BLE001 - the prompt set is not reachable from here
+        n = recipe.prompts.limit or 10000
+        return n, n, min(512, recipe.limits.max_prompt_tokens)
+
+
+def make_plan(recipe: Recipe) -> dict:
+    tcfg = _verifier_text_config(recipe)
+    shape = resolve_shape(recipe, tcfg)
+    convs, gens, prompt_toks = _prompt_stats(recipe)
+    gen_toks = recipe.sampling.max_new_tokens  # an upper bound: every answer runs to max_new_tokens
+    seq = min(recipe.limits.max_seq_len, prompt_toks + gen_toks)
+    tokens = int(gens * seq)
+    n_layers = len(recipe.aux_layer_ids) + 1
+    hs_bf16 = tokens * bytes_per_token(n_layers, shape.hidden_size, "bfloat16")
+    hs_fp8 = tokens * bytes_per_token(n_layers, shape.hidden_size, "fp8")
+    hs = hs_fp8 if recipe.extract.storage_dtype == "fp8" else hs_bf16
+    t, tp = recipe.train, recipe.plan
+    gpus = t.nproc_per_node * t.nnodes
+    params = draft_parameters(shape, len(recipe.aux_layer_ids))
+    ckpt = params["total"] * 2 + params["trainable"] * 2 * 2  # bf16 weights + bf16 Adam moments
+    capture_shards = math.ceil(convs / recipe.capture.prompts_per_shard)
+    extract_shards = max(1, math.ceil(hs / recipe.extract.shard_bytes))
+    staged_reads = hs if hs <= t.local_stage_bytes else hs * t.epochs
+    val = recipe.prompts.validation
+    n_val = int(val) if val >= 1 else int(round(convs * val))
+    eval_tokens = min(recipe.evaluate.num_prompts or n_val, n_val) * recipe.evaluate.max_new_tokens
+    stages = {
+        "capture": {"time_s": gens * gen_toks / tp.capture_tokens_per_s, "objects": 2 * capture_shards + 2,
+                    "write_bytes": tokens * 8, "read_bytes": 0},
+        "extract": {"time_s": tokens / tp.extract_tokens_per_s + hs / tp.store_bytes_per_s,
+                    "objects": 2 * extract_shards + 2, "write_bytes": hs, "read_bytes": tokens * 8},
+        "train": {"time_s": gens * t.epochs / (tp.train_samples_per_s_per_gpu * gpus),
+                  "objects": 2 * (t.epochs + 1) + 1, "write_bytes": ckpt * t.epochs, "read_bytes": staged_reads},
+        "evaluate": {"time_s": 2 * eval_tokens / tp.eval_tokens_per_s, "objects": 7, "write_bytes": 1e6,
+                     "read_bytes": params["total"] * 2},
+    }
+    return {"conversations": convs, "samples": gens, "tokens": tokens, "tokens_per_sample": seq,
+            "hidden_state_bytes": {"bfloat16": hs_bf16, "fp8": hs_fp8}, "stored_layers": n_layers,
+            "draft_shape": shape.describe(), "draft_parameters": params, "gpus_for_training": gpus,
+            "stages": stages, "total_time_s": sum(s["time_s"] for s in stages.values()),
+            "total_objects": sum(s["objects"] for s in stages.values())}
+
+
+def print_plan(recipe: Recipe) -> dict:
+    p = make_plan(recipe)
+    console.print(f"[bold]plan[/] {recipe.name}: {p['conversations']:,} conversations, {p['samples']:,} samples, "
+                  f"~{p['tokens']:,} tokens (<= {p['tokens_per_sample']:.0f}/sample)")
+    console.print(f"  hidden states: {_human(p['hidden_state_bytes']['bfloat16'])} bf16, "
+                  f"{_human(p['hidden_state_bytes']['fp8'])} fp8 ({p['stored_layers']} layers); "
+                  f"draft {p['draft_parameters']['trainable']:,} trainable / {p['draft_parameters']['total']:,} total parameters")
+    t = Table(title="per stage (stated throughputs: recipe `plan:`)")
+    for c in ("stage", "time", "objects", "store writes", "store reads"):
+        t.add_column(c)
+    for name, s in p["stages"].items():
+        t.add_row(name, _duration(s["time_s"]), f"{s['objects']:,}", _human(s["write_bytes"]), _human(s["read_bytes"]))
+    t.add_row("total", _duration(p["total_time_s"]), f"{p['total_objects']:,}", "", "")
+    console.print(t)
+    return p

@@ -1,0 +1,142 @@
+import json
+
+import pytest
+import torch
+
+from eagle_jobs.capture import run_capture
+from eagle_jobs.errors import BadInput
+from eagle_jobs.evaluate import (Acceptance, DraftProposer, check_draft_matches, load_draft,
+                                 parse_spec_metrics, run_evaluate, speculative_generate)
+from eagle_jobs.extract import run_extract
+from eagle_jobs.store import Store
+from eagle_jobs.train import download_final, run_train
+from eagle_jobs.verifier import load_verifier
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_kimi):
+    """One trained tiny draft shared by this module's tests."""
+    import conftest
+
+    tmp = tmp_path_factory.mktemp("ev")
+    prompts = conftest.write_prompts(tmp / "p.jsonl")
+    from eagle_jobs.recipe import Recipe
+
+    recipe = Recipe.model_validate({
+        "name": "tiny", "verifier": {"model": str(tiny_kimi)}, "prompts": {"source": str(prompts), "validation": 2},
+        "chat": {"reasoning_parser": "kimi_k2"}, "sampling": {"max_new_tokens": 12},
+        "limits": {"max_prompt_tokens": 200, "max_seq_len": 256}, "aux_layer_ids": [1, 2, 3],
+        "draft": {"draft_vocab_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
+                  "intermediate_size": 128},
+        "train": {"epochs": 2, "lr": 1e-3, "total_seq_len": 256, "ttt_steps": 2},
+        "evaluate": {"num_speculative_tokens": 2, "max_new_tokens": 10},
+    })
+    st = Store.open(f"file://{tmp}/store")
+    run_capture(recipe, st, "r")
+    run_extract(recipe, st, "r")
+    run_train(recipe, st, "r", work_dir=tmp / "w")
+    return recipe, st, download_final(st, "r", tmp / "draft")
+
+
+def _prompt(v, text):
+    enc = v.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=True, thinking=True)
+    return list(enc["input_ids"])
+
+
+@pytest.mark.parametrize("untrained", [False, True])
+def test_speculative_output_equals_greedy(trained, untrained):
+    recipe, _st, draft = trained
+    v = load_verifier(recipe.verifier)
+    proposer = DraftProposer(load_draft(draft, v.path, untrained=untrained))
+    eos = {v.tokenizer.eos_token_id}
+    for text in ["Tell me about the sea #3", "What is two plus two?", "Numbers: 1 2 3"]:
+        prompt = _prompt(v, text)
+        acc = Acceptance(3)
+        got = speculative_generate(v.model, proposer, [1, 2, 3], prompt, 3, 24, eos, acc)
+        with torch.no_grad():
+            ref = v.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                   eos_token_id=v.tokenizer.eos_token_id, pad_token_id=v.tokenizer.pad_token_id)
+        assert got == ref[0, len(prompt):].tolist()
+        assert acc.rounds >= 1 and 1.0 <= acc.tau <= 4.0
+
+
+def test_acceptance_counting_with_oracle_and_wrong_drafts(trained):
+    recipe, _st, _draft = trained
+    v = load_verifier(recipe.verifier)
+    prompt = _prompt(v, "Write a poem about the sea and the sky.")
+    with torch.no_grad():
+        ref = v.model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=-1,
+                               pad_token_id=v.tokenizer.pad_token_id)[0].tolist()
+
+    class Oracle:
+        def propose(self, aux, next_ids, k):  # the verifier's own greedy continuation
+            n = len(next_ids) + 1
+            return ref[n: n + k]
+
+    class Wrong:
+        def propose(self, aux, next_ids, k):
+            return [ref[len(next_ids) + 1] + 1] * k
+
+    acc = Acceptance(3)
+    got = speculative_generate(v.model, Oracle(), [1, 2, 3], prompt, 3, 32, set(), acc)
+    assert got == ref[len(prompt): len(prompt) + 32]
+    assert acc.tau == 4.0 and acc.per_position() == [1.0, 1.0, 1.0]
+    acc2 = Acceptance(3)
+    speculative_generate(v.model, Wrong(), [1, 2, 3], prompt, 3, 12, set(), acc2)
+    assert acc2.tau == 1.0 and acc2.per_position() == [0.0, 0.0, 0.0] and acc2.rounds == 11
+
+
+def test_report(trained, tmp_path):
+    recipe, st, _ = trained
+    rep = run_evaluate(recipe, st, "r")
+    for key in ("acceptance_length", "per_position_acceptance", "num_speculative_tokens", "num_prompts",
+                "tokens_generated", "verifier", "draft", "baseline_acceptance_length", "teacher_forced_estimate"):
+        assert key in rep
+    assert rep["num_prompts"] == 2 and rep["num_speculative_tokens"] == 2
+    assert len(rep["per_position_acceptance"]) == 2
+    files = {k.rsplit("/", 1)[1] for k in st.list("r/eval/data")}
+    assert {"report.json", "report.md", "training.png", "acceptance.png", "tau.png"} <= files
+    assert json.loads(st.get("r/eval/data/report.json"))["acceptance_length"] == rep["acceptance_length"]
+    assert st.get("r/eval/data/tau.png")[:8] == b"\x89PNG\r\n\x1a\n"
+    out = tmp_path / "out"
+    p = tmp_path / "extra.jsonl"
+    p.write_text('{"messages": [{"role": "user", "content": "Hello!"}]}\n')
+    rep2 = run_evaluate(recipe, st, "r", prompts=p, output=out)
+    assert rep2["num_prompts"] == 1 and (out / "report.md").is_file()
+
+
+def test_prompt_file_with_no_usable_prompt(trained, tmp_path):
+    recipe, st, _ = trained
+    p = tmp_path / "empty.jsonl"
+    p.write_text("")
+    with pytest.raises(BadInput, match="no usable prompt"):
+        run_evaluate(recipe, st, "r", prompts=p)
+
+
+def test_mismatched_draft_rejected(trained):
+    recipe, _st, draft = trained
+    cfg = json.loads((draft / "config.json").read_text())
+    with pytest.raises(BadInput, match="aux layer ids"):
+        check_draft_matches(recipe.model_copy(update={"aux_layer_ids": [0, 1, 2]}), cfg, None, None)
+    with pytest.raises(BadInput, match="extraction"):
+        check_draft_matches(recipe, cfg, [0, 1, 2, 4], None)
+    with pytest.raises(BadInput, match="trained for a"):
+        check_draft_matches(recipe, cfg, None, ["LlamaForCausalLM"])
+    check_draft_matches(recipe, cfg, [1, 2, 3, 4], ["KimiK25ForConditionalGeneration"])
+
+
+def test_parse_vllm_spec_decode_counters():
+    # counter names: vllm/v1/spec_decode/metrics.py (Prometheus adds _total)
+    text = "\n".join([
+        "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 14.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 8.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 4.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 2.0',
+    ])
+    m = parse_spec_metrics(text)
+    assert m["num_drafts"] == 10 and m["num_accepted_tokens"] == 14 and m["per_pos"] == {0: 8, 1: 4, 2: 2}
+    assert 1 + m["num_accepted_tokens"] / m["num_drafts"] == 2.4

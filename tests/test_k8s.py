@@ -1,0 +1,303 @@
+"""The Kubernetes manifests, validated without a cluster.
+
+Every overlay is rendered with `kubectl kustomize`; core kinds go through
+kubernetes-validate --strict against the oldest Kubernetes we support (1.33:
+per-index backoff for Indexed Jobs); the JobSet against the CRD's own
+openAPIV3Schema (../shared/schemas, JobSet v0.12.0), made strict; and the
+Jobs inside it as batch/v1 Jobs. Then assertions on what the objects say.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+OVERLAYS = ["dev", "smoke", "full", "full-multinode"]
+OLDEST_K8S = "1.33.0"
+RECIPES = {"dev": "demo", "smoke": "kimi-k2.5-smoke", "full": "kimi-k2.5", "full-multinode": "kimi-k2.5"}
+STAGES = ["capture", "extract", "train", "evaluate"]
+
+
+def _crd_path() -> Path:
+    for base in (REPO.parent / "shared" / "schemas", REPO / "tests" / "schemas"):
+        hits = sorted(base.glob("jobset.x-k8s.io_jobsets*.yaml"))
+        if hits:
+            return hits[-1]
+    raise AssertionError("JobSet CRD not found in ../shared/schemas")
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    kubectl = shutil.which("kubectl")
+    assert kubectl, ("kubectl not found: install kubectl >= 1.32 (kustomize 5.5 is built in), e.g. "
+                     "apt-get install kubectl, or see https://kubernetes.io/docs/tasks/tools/")
+    out = {}
+    for o in OVERLAYS:
+        r = subprocess.run([kubectl, "kustomize", str(REPO / "k8s/overlays" / o)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        out[o] = [d for d in yaml.safe_load_all(r.stdout) if d]
+    return out
+
+
+def _jobset(docs) -> dict:
+    (js,) = [d for d in docs if d["kind"] == "JobSet"]
+    return js
+
+
+def _job(js, stage) -> dict:
+    return next(rj for rj in js["spec"]["replicatedJobs"] if rj["name"] == stage)["template"]["spec"]
+
+
+def _pod(js, stage) -> dict:
+    return _job(js, stage)["template"]["spec"]
+
+
+def _strict(schema):
+    """CRD schemas prune unknown fields instead of rejecting them; for linting we reject them."""
+    if isinstance(schema, dict):
+        s = {k: _strict(v) for k, v in schema.items()}
+        if s.get("type") == "object" and "properties" in s and "additionalProperties" not in s \
+                and not s.get("x-kubernetes-preserve-unknown-fields"):
+            s["additionalProperties"] = False
+        return s
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_core_kinds_validate_strictly(rendered, overlay, tmp_path):
+    docs = [d for d in rendered[overlay] if d["kind"] != "JobSet"]
+    # the Jobs JobSet will create, as batch/v1 Jobs: podFailurePolicy, per-index backoff, sidecars...
+    for rj in _jobset(rendered[overlay])["spec"]["replicatedJobs"]:
+        docs.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"x-{rj['name']}"},
+                     "spec": rj["template"]["spec"]})
+    f = tmp_path / "docs.yaml"
+    f.write_text(yaml.safe_dump_all(docs))
+    exe = Path(sys.executable).with_name("kubernetes-validate")
+    r = subprocess.run([str(exe), "--strict", "-k", OLDEST_K8S, str(f)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("passed") == len(docs)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_jobset_matches_crd_schema(rendered, overlay):
+    import jsonschema
+
+    crd = yaml.safe_load(_crd_path().read_text())
+    (ver,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
+    schema = _strict(copy.deepcopy(ver["schema"]["openAPIV3Schema"]))
+    schema["properties"]["metadata"] = {"type": "object"}
+    js = _jobset(rendered[overlay])
+    assert js["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+    jsonschema.validate(js, schema)
+    bad = copy.deepcopy(js)
+    bad["spec"]["replicatedJobs"][1]["dependsOn"] = [{"name": "capture", "status": "Done"}]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)  # the schema is strict enough to catch a wrong enum
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pipeline_shape(rendered, overlay):
+    js = _jobset(rendered[overlay])
+    rjs = js["spec"]["replicatedJobs"]
+    assert [r["name"] for r in rjs] == STAGES
+    assert rjs[0].get("dependsOn") is None
+    for prev, r in zip(rjs, rjs[1:]):
+        assert r["dependsOn"] == [{"name": prev["name"], "status": "Complete"}]
+    assert js["spec"]["ttlSecondsAfterFinished"] > 0
+    for st in STAGES:
+        job = _job(js, st)
+        assert job["activeDeadlineSeconds"] > 0 and job["completionMode"] == "Indexed"
+        assert job["podReplacementPolicy"] == "Failed"
+    ex = _job(js, "extract")
+    assert ex["backoffLimitPerIndex"] >= 1 and "backoffLimit" not in ex
+    env = {e["name"]: e.get("value") for e in _pod(js, "extract")["containers"][0]["env"]}
+    assert env["EAGLE_JOBS_NUM_SHARDS"] == str(ex["completions"]) == str(ex["parallelism"])
+    assert ex["completions"] == (4 if overlay.startswith("full") else 1)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_exit_code_mapping(rendered, overlay):
+    from eagle_jobs.errors import ExitCode
+
+    js = _jobset(rendered[overlay])
+    for st in STAGES:
+        rules = _job(js, st)["podFailurePolicy"]["rules"]
+        by_code = {v: r["action"] for r in rules if "onExitCodes" in r for v in r["onExitCodes"]["values"]}
+        assert by_code[int(ExitCode.BAD_INPUT)] == ("FailIndex" if st == "extract" else "FailJob")
+        assert by_code[int(ExitCode.STORE)] == "FailJob"
+        assert any(r["action"] == "Ignore" and r["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
+                   for r in rules)
+
+
+GPU = {"dev": {}, "smoke": {s: 8 for s in STAGES}, "full": {s: 8 for s in STAGES},
+       "full-multinode": {s: 8 for s in STAGES}}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gpus_resources_and_scheduling(rendered, overlay):
+    js = _jobset(rendered[overlay])
+    for st in STAGES:
+        pod = _pod(js, st)
+        containers = pod["containers"] + pod.get("initContainers", [])
+        gpus = sum(int(c["resources"]["limits"].get("nvidia.com/gpu", 0)) for c in containers)
+        assert gpus == GPU[overlay].get(st, 0), (overlay, st)
+        for c in containers:
+            assert c["resources"]["requests"] == c["resources"]["limits"] or not gpus
+        if gpus:
+            tol = pod["tolerations"]
+            assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tol
+            terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+            keys = {(e["key"], tuple(e["values"])) for t in terms for e in t["matchExpressions"]}
+            assert ("nvidia.com/gpu.product", ("NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition",)) in keys
+            assert ("nvidia.com/gpu.family", ("blackwell",)) in keys
+            shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+            assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
+            gpu_c = next(c for c in containers if c["resources"]["limits"].get("nvidia.com/gpu"))
+            env = {e["name"]: e.get("value") for e in gpu_c["env"]}
+            assert env["NCCL_P2P_LEVEL"] == "PHB"
+            assert any(m["mountPath"] == "/dev/shm" for m in gpu_c["volumeMounts"])
+        else:
+            assert "tolerations" not in pod and "affinity" not in pod
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_security_context_restricted(rendered, overlay):
+    for d in rendered[overlay]:
+        pods = []
+        if d["kind"] == "JobSet":
+            pods = [_pod(d, st) for st in STAGES]
+        elif d["kind"] == "Deployment":
+            pods = [d["spec"]["template"]["spec"]]
+        for pod in pods:
+            assert pod["securityContext"]["runAsNonRoot"] is True
+            assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+            assert pod.get("automountServiceAccountToken") is False
+            assert not pod.get("hostIPC") and not pod.get("hostNetwork")
+            assert not any("hostPath" in v for v in pod["volumes"])
+            for c in pod["containers"] + pod.get("initContainers", []):
+                sc = c["securityContext"]
+                assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+                assert sc["readOnlyRootFilesystem"] is True and sc["runAsNonRoot"] is True
+                # every writable path is a volume
+                mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
+                assert "/tmp" in mounts
+    ns = next(d for d in rendered[overlay] if d["kind"] == "Namespace")
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+@pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
+def test_vllm_sidecar_probes_survive_a_1t_load(rendered, overlay):
+    js = _jobset(rendered[overlay])
+    for st in ("capture", "extract", "evaluate"):
+        pod = _pod(js, st)
+        (side,) = pod["initContainers"]
+        assert side["restartPolicy"] == "Always" and side["args"][-2:] == ["--stage", st]
+        sp = side["startupProbe"]
+        assert sp["httpGet"]["path"] == "/health"
+        assert sp["periodSeconds"] * sp["failureThreshold"] >= 3600  # an hour or more to load
+        assert side["readinessProbe"]["httpGet"]["path"] == "/health"
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert env["EAGLE_JOBS_VLLM_ENDPOINT"] == "http://127.0.0.1:8000"
+    assert "initContainers" not in _pod(js, "train")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_images_env_volumes_and_recipe(rendered, overlay):
+    docs = rendered[overlay]
+    js = _jobset(docs)
+    images = {st: _pod(js, st)["containers"][0]["image"] for st in STAGES}
+    if overlay == "dev":
+        assert set(images.values()) == {"ghcr.io/eagle-jobs/train:0.1.0"}
+    else:
+        assert images == {"capture": "ghcr.io/eagle-jobs/capture:0.1.0", "extract": "ghcr.io/eagle-jobs/extract:0.1.0",
+                          "train": "ghcr.io/eagle-jobs/train:0.1.0", "evaluate": "ghcr.io/eagle-jobs/capture:0.1.0"}
+    cm = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
+    recipe_text = cm["eagle-jobs-recipe"]["data"]["recipe.yaml"]
+    assert recipe_text == (REPO / "jobs" / f"{RECIPES[overlay]}.yaml").read_text()
+    run = cm["eagle-jobs-run"]["data"]
+    from eagle_jobs.recipe import Recipe
+
+    recipe = Recipe.model_validate(yaml.safe_load(recipe_text))
+    assert run["EAGLE_JOBS_RUN_ID"] == recipe.store.run_id
+    assert js["metadata"]["labels"]["eagle-jobs/run-id"] == recipe.store.run_id
+    for st in STAGES:
+        pod = _pod(js, st)
+        c = pod["containers"][0]
+        assert c["args"][:3] == [st, "--recipe", "/etc/eagle-jobs/recipe.yaml"]
+        refs = [next(iter(e.values()))["name"] for e in c["envFrom"]]
+        assert refs == ["eagle-jobs-run", "eagle-jobs-store"]
+        assert not any("AWS_SECRET" in e["name"] or "AWS_ACCESS" in e["name"] for e in c["env"])  # never literal
+        vols = {v["name"]: v for v in pod["volumes"]}
+        assert vols["recipe"]["configMap"]["name"] == "eagle-jobs-recipe"
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["HF_HOME"].startswith("/cache") and env["TRITON_CACHE_DIR"].startswith("/cache")
+    for d in docs:  # no credential anywhere in the rendered objects
+        assert "AWS_SECRET_ACCESS_KEY=" not in json.dumps(d)
+        assert d["kind"] != "Secret"
+
+
+def test_names_unique_per_run_id(rendered):
+    names = {o: _jobset(rendered[o])["metadata"]["name"] for o in OVERLAYS}
+    assert len(set(names.values())) == len(OVERLAYS)
+    for o in OVERLAYS:
+        assert names[o].startswith("eagle-jobs-")
+
+
+def test_multinode_training_rendezvous(rendered):
+    js = _jobset(rendered["full-multinode"])
+    job = _job(js, "train")
+    assert job["completions"] == job["parallelism"] == 2
+    env = {e["name"]: e for e in job["template"]["spec"]["containers"][0]["env"]}
+    assert env["EAGLE_JOBS_NNODES"]["value"] == "2"
+    assert env["EAGLE_JOBS_RDZV_ENDPOINT"]["value"] == "$(JOBSET_NAME)-train-0-0.$(JOBSET_NAME):29500"
+    assert js["spec"]["network"]["enableDNSHostnames"] is True
+    single = _job(_jobset(rendered["full"]), "train")
+    assert single["completions"] == 1
+
+
+def test_recipe_copies_equal_jobs():
+    for o, name in RECIPES.items():
+        p = REPO / "k8s/overlays" / o / "recipe.yaml"
+        if p.exists():
+            assert p.read_text() == (REPO / "jobs" / f"{name}.yaml").read_text(), f"run `make k8s-recipes` ({p})"
+    assert (REPO / "k8s/base/recipe.yaml").read_text() == (REPO / "jobs/demo.yaml").read_text()
+
+
+def test_yamllint():
+    r = subprocess.run([sys.executable, "-m", "yamllint", "-c", str(REPO / ".yamllint.yaml"), "k8s", "jobs",
+                        "skaffold.yaml"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_hadolint():
+    exe = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
+    r = subprocess.run([exe, *sorted(str(p) for p in (REPO / "images").glob("*/Dockerfile"))],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_skaffold_config():
+    docs = [d for d in yaml.safe_load_all((REPO / "skaffold.yaml").read_text()) if d]
+    (cfg,) = docs
+    assert cfg["apiVersion"].startswith("skaffold/v4beta")
+    arts = {a["image"]: a for a in cfg["build"]["artifacts"]}
+    assert set(arts) == {"ghcr.io/eagle-jobs/capture", "ghcr.io/eagle-jobs/extract", "ghcr.io/eagle-jobs/train"}
+    for name, a in arts.items():
+        assert (REPO / a["docker"]["dockerfile"]).is_file() and a.get("context", ".") == "."
+    assert cfg["manifests"]["kustomize"]["paths"] == ["k8s/overlays/dev"]
+    profiles = {p["name"]: p for p in cfg["profiles"]}
+    assert set(profiles) == {"dev", "smoke", "full"}
+    for name, p in profiles.items():
+        paths = [op["value"] for op in p.get("patches", []) if op["path"] == "/manifests/kustomize/paths"]
+        assert paths in ([], [[f"k8s/overlays/{name}"]])
+    assert "--force" in json.dumps(cfg["deploy"]) or "force" in json.dumps(cfg["deploy"])
