@@ -143,7 +143,7 @@ class FakeVllm:
         return resp
 
     # -- http -----------------------------------------------------------------------
-    def start(self) -> str:
+    def start(self, port: int = 0) -> str:
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -185,7 +185,7 @@ class FakeVllm:
                 else:
                     self._send(404, {"error": {"message": "not found", "type": "NotFoundError", "code": 404}})
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
@@ -193,3 +193,21 @@ class FakeVllm:
         if self.server:
             self.server.shutdown()
             self.server.server_close()
+
+
+def main() -> None:
+    """`vllm serve MODEL --port P [...]` stand-in, for tests of the subprocess mode (tests/bin/vllm)."""
+    import sys
+
+    argv = sys.argv[1:]
+    assert argv[0] == "serve", argv
+    model, port = argv[1], int(argv[argv.index("--port") + 1])
+    parser = argv[argv.index("--reasoning-parser") + 1] if "--reasoning-parser" in argv else None
+    print(f"fake vllm: serving {model} on {port}", flush=True)
+    fake = FakeVllm(model, reasoning_parser=parser)
+    fake.start(port)
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 
@@ -161,3 +162,27 @@ def test_prompts_from_store_and_parquet(tmp_path, bucket):
     convs = load_prompts(PromptSpec(source=f"s3://{bucket}/prompts/p.parquet", validation=0))
     assert [c.messages[0]["content"] for c in convs] == [f"q{i}" for i in range(5)]
     assert all(c.split == "train" for c in convs)
+
+
+def test_vllm_backend_starts_and_stops_its_own_server(tiny_recipe, tmp_path, monkeypatch, capfd):
+    """Inside a Job the worker runs `vllm serve` itself, waits for /health, forwards its log, stops it."""
+    import sys
+    from pathlib import Path
+
+    import httpx
+
+    from conftest import free_port
+
+    bindir = Path(__file__).parent / "bin"
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("EAGLE_JOBS_TEST_PYTHON", sys.executable)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))
+    port = free_port()
+    recipe = tiny_recipe(capture={"backend": "vllm", "vllm": {"port": port, "health_timeout_s": 120,
+                                                              "serve_args": ["--reasoning-parser", "kimi_k2"]}})
+    st = Store.open(f"file://{tmp_path}/s")
+    run_capture(recipe, st, "sp")
+    assert len(read_rows(st, "sp")) > 12
+    assert "fake vllm: serving" in capfd.readouterr().err  # the server's log is forwarded
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)  # and the server is gone

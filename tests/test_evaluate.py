@@ -140,3 +140,33 @@ def test_parse_vllm_spec_decode_counters():
     m = parse_spec_metrics(text)
     assert m["num_drafts"] == 10 and m["num_accepted_tokens"] == 14 and m["per_pos"] == {0: 8, 1: 4, 2: 2}
     assert 1 + m["num_accepted_tokens"] / m["num_drafts"] == 2.4
+
+
+def test_drafting_matches_speculators_ttt_forward(trained):
+    """At test time the draft must compute what speculators' training forward computes.
+
+    Feeding the training forward our own drafted tokens as the 'teacher' tokens makes
+    its TTT step s at the last position see exactly what our step s sees.
+    """
+    recipe, _st, draft = trained
+    v = load_verifier(recipe.verifier)
+    model = load_draft(draft, v.path)
+    prompt = _prompt(v, "Tell me about the sky #5")
+    with torch.no_grad():
+        out = v.model(torch.tensor([prompt]), output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i] for i in (1, 2, 3)], dim=-1)
+    nxt = int(out.logits[0, -1].argmax())
+    next_ids = prompt[1:] + [nxt]
+    n, k = len(next_ids), 3
+    mine = DraftProposer(model).propose(feats, next_ids, k)
+    # training forward over [x_1..x_n, d1, d2] with padding states after position n-1 (causal: unused)
+    ids = torch.tensor([next_ids + mine[:-1]])
+    hs = torch.cat([feats, torch.zeros(1, k - 1, feats.shape[-1])], dim=1)
+    with torch.no_grad():
+        drafts = model(hs.float(), ids, torch.zeros_like(ids), ttt_steps=k)
+    theirs = [int(d[0, n - 1] + model.d2t[d[0, n - 1]]) for d in drafts]
+    assert mine == theirs
+    # and the cached proposer gives the same answers as a fresh one after more rounds
+    p = DraftProposer(model)
+    p.propose(feats[:, :-3], next_ids[:-3], k)
+    assert p.propose(feats, next_ids, k) == mine

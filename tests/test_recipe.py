@@ -44,7 +44,7 @@ def test_unknown_key_names_file_and_key(tmp_path):
 
 
 @pytest.mark.parametrize("old,new,key", [
-    ("  lr: 3.0e-4", "  lr: -1", "train.lr"),
+    ("  lr: 5.0e-4", "  lr: -1", "train.lr"),
     ("aux_layer_ids: [2, 15, 27]", "aux_layer_ids: [2, 2]", "aux_layer_ids"),
     ("  backend: transformers\n  batch_size", "  backend: tensorrt\n  batch_size", "capture.backend"),
 ])

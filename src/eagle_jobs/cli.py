@@ -87,10 +87,9 @@ def run(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
 
 
 @app.command()
-def plan(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None):
+def plan(recipe: RecipeOpt):
     """Estimate tokens, bytes, objects, traffic and time per stage before booking GPUs."""
     from eagle_jobs.plan import print_plan
-
     from eagle_jobs.recipe import load_recipe
 
     print_plan(load_recipe(recipe))

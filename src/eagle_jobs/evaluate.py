@@ -80,50 +80,66 @@ def load_draft(path: Path, verifier_path: str, untrained: bool = False, seed: in
 
 
 class DraftProposer:
-    """Chain drafting with speculators' Eagle3DraftModel modules, mirroring its TTT forward."""
+    """Chain drafting with speculators' Eagle3DraftModel modules, mirroring its TTT forward.
+
+    Step 0 sees the pairs (x_{j+1}, g_j) of every position so far; their keys are
+    kept across rounds (causal: later tokens never change them), so a round only
+    runs the positions accepted since the last one, then k-1 single-query steps
+    whose keys are dropped again.
+    """
 
     def __init__(self, model):
         self.m = model
         d2t = getattr(model, "d2t", None)
         self.d2t = d2t.long() if d2t is not None else None
+        self.reset()
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache, self.done = DynamicCache(), 0
 
     def _to_target(self, idx: torch.Tensor) -> torch.Tensor:
         return idx + self.d2t[idx] if self.d2t is not None else idx
 
-    @torch.inference_mode()
-    def propose(self, aux: torch.Tensor, next_ids: list[int], k: int) -> list[int]:
-        """aux: [1, n, L*H] verifier states g_0..g_{n-1}; next_ids: x_1..x_n. Returns k target ids."""
-        from transformers import DynamicCache
-
-        m = self.m
-        n = aux.shape[1]
-        h = aux.float()
+    def _fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        m, h = self.m, aux.float()
         if m.input_norm is not None:
             h = m.input_norm(h)
         if m.fc_norm is not None:
             h = torch.cat([nm(c) for nm, c in zip(m.fc_norm, h.chunk(len(m.fc_norm), dim=-1))], dim=-1)
-        h = m.fc(h)
-        ids = torch.tensor([next_ids])
-        pos = torch.arange(1, n + 1).unsqueeze(0)  # shift_batch: positions start at 1
-        cache = DynamicCache()
-        mask = m._build_attn_mask(torch.zeros(n, dtype=torch.long), n, h.device)  # noqa: SLF001
-        out: list[int] = []
-        for step in range(k):
-            x = torch.cat([m.embed_tokens(ids), h], dim=-1)
-            pe = m.rotary_emb(x, pos)
-            cache_pos = torch.arange(pos.shape[1]) + (0 if step == 0 else n + step - 1)
-            for layer in m.layers:
-                x = layer(x, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                          cache_position=cache_pos, position_embeddings=pe)
-            if m.config.norm_output:
-                x = m.norm(x)
-                logits = m.lm_head(x[:, -1])
-            else:
-                logits = m.lm_head(m.norm(x[:, -1]))
-            tok = int(self._to_target(logits.argmax(-1))[0])
+        return m.fc(h)
+
+    def _step(self, ids, h, pos, cache_pos, mask):
+        m = self.m
+        x = torch.cat([m.embed_tokens(ids), h], dim=-1)
+        pe = m.rotary_emb(x, pos)
+        for layer in m.layers:
+            x = layer(x, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+                      cache_position=cache_pos, position_embeddings=pe)
+        if m.config.norm_output:
+            x = m.norm(x)
+            logits = m.lm_head(x[:, -1])
+        else:
+            logits = m.lm_head(m.norm(x[:, -1]))
+        return x[:, -1:], int(self._to_target(logits.argmax(-1))[0])
+
+    @torch.inference_mode()
+    def propose(self, aux: torch.Tensor, next_ids: list[int], k: int) -> list[int]:
+        """aux: [1, n, L*H] verifier states g_0..g_{n-1}; next_ids: x_1..x_n. Returns k target ids."""
+        n, a = aux.shape[1], self.done
+        ids = torch.tensor([next_ids[a:n]])
+        pos = torch.arange(a + 1, n + 1).unsqueeze(0)  # shift_batch: positions start at 1
+        # new queries a..n-1 see keys 0..their own position (training's causal document mask)
+        mask = (torch.arange(n)[None, :] <= torch.arange(a, n)[:, None])[None, None]
+        h, tok = self._step(ids, self._fuse(aux[:, a:n]), pos, torch.arange(a, n), mask)
+        out = [tok]
+        for step in range(1, k):  # one query at the last position, seeing every cached key
+            h, tok = self._step(torch.tensor([[tok]]), h, torch.tensor([[n + step]]), torch.tensor([n + step - 1]), None)
             out.append(tok)
-            # next step: one new query at the last position, seeing every cached key
-            ids, h, pos, mask = torch.tensor([[tok]]), x[:, -1:], pos[:, -1:] + 1, None
+        if k > 1:
+            self.cache.crop(-(k - 1))  # drop the TTT steps' keys
+        self.done = n
         return out
 
 
@@ -134,6 +150,8 @@ def speculative_generate(verifier, proposer: DraftProposer | None, aux_ids: list
 
     model = verifier
     cache = DynamicCache()
+    if hasattr(proposer, "reset"):
+        proposer.reset()
     with torch.inference_mode():
         out = model(torch.tensor([prompt]), past_key_values=cache, use_cache=True, output_hidden_states=True)
     feats = torch.cat([out.hidden_states[i] for i in aux_ids], dim=-1)  # [1, n, L*H]

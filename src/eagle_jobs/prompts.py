@@ -122,11 +122,13 @@ def load_prompts(spec: PromptSpec) -> list[Conversation]:
     if not convs:
         raise BadInput(f"prompts {spec.source}: no usable prompt")
     # Validation split: a count takes the conversations with the smallest hashes;
-    # a fraction takes each conversation by its hash. Both are independent of sharding.
+    # a fraction takes each conversation by the hash of its content alone, so a
+    # conversation keeps its split in any prompt set that contains it (no leakage
+    # between a set and its supersets). Both are independent of sharding.
     if spec.validation >= 1:
         n_val = min(int(spec.validation), len(convs) - 1)
         ranked = sorted(convs, key=lambda c: hashlib.sha256(f"{spec.seed}:{c[2]}:{c[0]}".encode()).digest())
         val = {c[0] for c in ranked[:n_val]}
     else:
-        val = {c[0] for c in convs if _is_validation(f"{c[2]}:{c[0]}", spec.seed, spec.validation)}
+        val = {c[0] for c in convs if _is_validation(c[2], spec.seed, spec.validation)}
     return [Conversation(i, m, s, "validation" if i in val else "train") for i, m, s in convs]

@@ -1,0 +1,115 @@
+"""GPU check: speculators' GPU training path through our code, at the Kimi-K2.5 draft shape.
+
+For a session lent an accelerator (the `device` tool): flex attention, the fused
+Triton loss, bf16 autocast over fp32 master weights and torch.compile, all
+through `eagle_jobs.train.run_train`, on a synthetic run whose shapes are
+Kimi-K2.5's: hidden 7168, 64 heads x head_dim 128, intermediate 18432, verifier
+vocab 163840, draft vocab 32000, aux layers [2, 30, 58] + final (61).
+
+It writes a stand-in verifier directory holding only what the draft loads from a
+verifier (embed_tokens, lm_head, final norm; a kimi_k25 config with a
+deepseek_v3 text_config, weights under language_model.*), synthetic bf16 hidden
+-state shards in our store format, and trains `--steps` steps. Prints tokens/s
+(speculators' own step profile) and peak GPU memory. Never part of `make test`.
+
+    python benchmarks/gpu_check.py --steps 12 --seq-len 8192 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def fake_kimi_verifier(d: Path, hidden=7168, vocab=163840, layers=61) -> Path:
+    from safetensors.torch import save_file
+
+    d.mkdir(parents=True, exist_ok=True)
+    text = {"model_type": "deepseek_v3", "hidden_size": hidden, "num_hidden_layers": layers, "vocab_size": vocab,
+            "num_attention_heads": 64, "num_key_value_heads": 64, "intermediate_size": 18432,
+            "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+            "v_head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "hidden_act": "silu",
+            "tie_word_embeddings": False}
+    (d / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+                                               "text_config": text}))
+    g = torch.Generator().manual_seed(0)
+    save_file({"language_model.model.embed_tokens.weight": (torch.randn(vocab, hidden, generator=g) * 0.02).bfloat16(),
+               "language_model.lm_head.weight": (torch.randn(vocab, hidden, generator=g) * 0.02).bfloat16(),
+               "language_model.model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)},
+              str(d / "model.safetensors"))
+    return d
+
+
+def synthetic_run(store, run_id: str, samples: int, seq: int, hidden: int, vocab: int) -> None:
+    from eagle_jobs.hsformat import Sample, encode_shard
+    from eagle_jobs.store import Stage
+
+    cap, ext = Stage(store, run_id, "capture"), Stage(store, run_id, "extract")
+    rows, g = [], torch.Generator().manual_seed(1)
+    for i in range(samples):
+        ids = torch.randint(0, 32000, (seq,), generator=g)
+        mask = torch.ones(seq, dtype=torch.long)
+        mask[: seq // 8] = 0
+        rows.append({"row_id": f"{i:08d}-00", "prompt_index": i, "split": "validation" if i == 0 else "train",
+                     "input_ids": ids.tolist(), "loss_mask": mask.tolist(), "turn": 0})
+        hs = (torch.randn(seq, 4, hidden, generator=g)).bfloat16()
+        blob, index = encode_shard([Sample(rows[-1]["row_id"], hs, ids, mask)], [2, 30, 58, 61], "bfloat16")
+        for e in index:
+            e.update(split=rows[-1]["split"], prompt_index=i, loss_tokens=int(mask.sum()))
+        ext.commit_shard(f"s{i:04d}", {f"s{i:04d}.safetensors": blob},
+                         {"layer_ids": [2, 30, 58, 61], "hidden_size": hidden, "storage": "bfloat16", "samples": index})
+    cap.commit_shard("rows", {"rows.jsonl": "".join(json.dumps(r) + "\n" for r in rows).encode()}, {})
+    cap.complete({})
+    ext.complete({})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--seq-len", type=int, default=8192)
+    ap.add_argument("--samples", type=int, default=14)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/gpu-check"))
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "needs a GPU"
+
+    from eagle_jobs.recipe import Recipe
+    from eagle_jobs.store import Store
+    from eagle_jobs.train import run_train
+
+    work = args.out
+    verifier = fake_kimi_verifier(work / "verifier")
+    store = Store.open(f"file://{work}/store")
+    synthetic_run(store, "gpu", args.samples, args.seq_len, 7168, 163840)
+    recipe = Recipe.model_validate({
+        "name": "gpu-check", "verifier": {"model": str(verifier), "dtype": "bfloat16"},
+        "prompts": {"source": "bundled://demo"}, "aux_layer_ids": [2, 30, 58],
+        "draft": {"hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 128,
+                  "intermediate_size": 18432, "draft_vocab_size": 32000},
+        "train": {"epochs": 1, "lr": 3e-5, "total_seq_len": args.seq_len, "ttt_steps": 3},
+    })
+    torch.cuda.reset_peak_memory_stats()
+    t = time.time()
+    rec = run_train(recipe, store, "gpu", max_steps=args.steps, work_dir=work / "w")
+    wall = time.time() - t
+    prof = [m["profile"] for m in rec["metrics"] if m.get("profile")]
+    steady = prof[3:] or prof
+    result = {
+        "attention": rec["attention"], "loss": rec["loss_implementation"], "hidden_states_dtype": rec["hidden_states_dtype"],
+        "parameters": rec["parameters"], "steps": len(prof), "seq_len": args.seq_len,
+        "median_step_ms": statistics.median(p["step_ms"] for p in steady),
+        "tokens_per_s": statistics.median(p["tokens_per_s"] for p in steady),
+        "first_step_ms (compile)": prof[0]["step_ms"] if prof else None,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "wall_s": wall,
+        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    }
+    print(json.dumps(result, indent=1))
+    (work / "gpu_check.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
