@@ -69,6 +69,10 @@ class FakeVllm:
         self.lock = threading.Lock()
         self.requests = 0
         self.server: ThreadingHTTPServer | None = None
+        # Prometheus counters of --speculative-config runs (vllm/v1/spec_decode/metrics.py). The
+        # stand-in has no draft: it books each completion as rounds of (accepted + 1) tokens with
+        # accepted cycling 2, 0, 1, so a test can check the client's arithmetic exactly.
+        self.spec = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0, 0, 0]}
 
     # -- model ----------------------------------------------------------------------
     def _greedy(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
@@ -111,6 +115,16 @@ class FakeVllm:
             comp, finish = self._greedy(prompt, int(body.get("max_tokens") or 16))
         text = self.tok.decode([t for t in comp if t != self.tok.eos_token_id], skip_special_tokens=self.parser is None)
         reasoning, content = self._split_reasoning(text)
+        left, cycle = len(comp), 0
+        while left > 0:
+            a = min([2, 0, 1][cycle % 3], left - 1)
+            self.spec["drafts"] += 1
+            self.spec["draft_tokens"] += 3
+            self.spec["accepted"] += a
+            for i in range(a):
+                self.spec["per_pos"][i] += 1
+            left -= a + 1
+            cycle += 1
         choice = {"index": 0, "message": {"role": "assistant", "content": content, "reasoning": reasoning,
                                           "tool_calls": []},
                   "finish_reason": finish, "logprobs": None}
@@ -163,6 +177,19 @@ class FakeVllm:
             def do_GET(self):
                 if self.path == "/health":
                     self._send(200, "")
+                elif self.path == "/metrics":
+                    sp, lab = fake.spec, f'engine="0",model_name="{fake.name}"'
+                    lines = [f"vllm:spec_decode_num_drafts_total{{{lab}}} {sp['drafts']}.0",
+                             f"vllm:spec_decode_num_draft_tokens_total{{{lab}}} {sp['draft_tokens']}.0",
+                             f"vllm:spec_decode_num_accepted_tokens_total{{{lab}}} {sp['accepted']}.0"]
+                    lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="{i}"}} {v}.0'
+                              for i, v in enumerate(sp["per_pos"])]
+                    data = ("\n".join(lines) + "\n").encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain; version=0.0.4")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
                 elif self.path == "/v1/models":
                     self._send(200, {"object": "list", "data": [{"id": fake.name, "object": "model", "owned_by": "vllm"}]})
                 else:

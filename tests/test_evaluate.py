@@ -170,3 +170,27 @@ def test_drafting_matches_speculators_ttt_forward(trained):
     p = DraftProposer(model)
     p.propose(feats[:, :-3], next_ids[:-3], k)
     assert p.propose(feats, next_ids, k) == mine
+
+
+def test_vllm_backend_reads_spec_decode_counters(trained, tiny_kimi, tmp_path):
+    from fake_vllm import FakeVllm
+
+    from eagle_jobs.evaluate import eval_prompts, evaluate_vllm
+
+    recipe, _st, draft = trained
+    fake = FakeVllm(str(tiny_kimi), reasoning_parser="kimi_k2")
+    fake.spec.update(drafts=5, draft_tokens=15, accepted=4, per_pos=[3, 1, 0])  # earlier traffic on the server
+    base = fake.start()
+    try:
+        r = recipe.model_copy(update={"evaluate": recipe.evaluate.model_copy(update={
+            "backend": "vllm", "num_speculative_tokens": 3, "vllm": recipe.evaluate.vllm.model_copy(update={
+                "endpoint": base, "health_timeout_s": 10})})})
+        res = evaluate_vllm(r, draft, eval_prompts(r, None))
+    finally:
+        fake.stop()
+    drafts, acc = fake.spec["drafts"] - 5, fake.spec["accepted"] - 4
+    assert drafts > 0 and res["rounds"] == drafts  # only this run's traffic counts
+    assert res["acceptance_length"] == pytest.approx(1 + acc / drafts)
+    assert res["per_position_acceptance"][2] == 0.0
+    assert res["per_position_acceptance"][0] == pytest.approx((fake.spec["per_pos"][0] - 3) / drafts)
+    assert res["tokens_generated"] > 0

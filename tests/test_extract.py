@@ -94,7 +94,7 @@ def test_bad_records_are_skipped_and_reported(tiny_recipe, tmp_path, monkeypatch
 
     def corrupt(self, rows, advance):
         out = real(self, rows, advance)
-        ids = sorted(out)
+        sorted(out)
         if "00000001-00" in out:
             hs, t = out["00000001-00"]
             hs = hs.clone()

@@ -292,7 +292,7 @@ def test_skaffold_config():
     assert cfg["apiVersion"].startswith("skaffold/v4beta")
     arts = {a["image"]: a for a in cfg["build"]["artifacts"]}
     assert set(arts) == {"ghcr.io/eagle-jobs/capture", "ghcr.io/eagle-jobs/extract", "ghcr.io/eagle-jobs/train"}
-    for name, a in arts.items():
+    for a in arts.values():
         assert (REPO / a["docker"]["dockerfile"]).is_file() and a.get("context", ".") == "."
     assert cfg["manifests"]["kustomize"]["paths"] == ["k8s/overlays/dev"]
     profiles = {p["name"]: p for p in cfg["profiles"]}

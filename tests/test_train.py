@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import threading
 from pathlib import Path
 
 import pytest

@@ -190,10 +190,9 @@ def eval_prompts(recipe: Recipe, prompts: Path | None) -> list[list[dict]]:
         if not convs:
             raise BadInput("evaluate: the recipe's prompt set has no validation split; set prompts.validation or pass --prompts")
     out = []
-    for c in convs:
-        msgs = [m for m in c.messages if m["role"] != "assistant"]
-        last_user = max(i for i, m in enumerate(msgs) if m["role"] == "user")
-        out.append(msgs[: last_user + 1][-3:] if msgs[0]["role"] != "system" else msgs[: last_user + 1])
+    for c in convs:  # the conversation up to its first user turn: what the verifier answers first
+        first_user = next(i for i, m in enumerate(c.messages) if m["role"] == "user")
+        out.append([dict(m) for m in c.messages[: first_user + 1] if m["role"] != "assistant"])
     n = recipe.evaluate.num_prompts
     return out[:n] if n else out
 

@@ -30,7 +30,6 @@ def stage_progress(description: str, total: int, unit: str = "items"):
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
         TextColumn(unit), TaskProgressColumn(), TokensPerSecond(), TimeElapsedColumn(),
         TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=False,
-        disable=not console.is_terminal and False,
     )
     start = time.perf_counter()
     with progress:

@@ -58,7 +58,7 @@ class ShardStager:
             dest = self.local(fname)
             if not dest.exists():
                 data = self.stage.read(fname, info)  # sha256-checked against the manifest
-                tmp = dest.with_name(dest.name + ".part")
+                tmp = dest.with_name(f"{dest.name}.part-{os.getpid()}")
                 tmp.write_bytes(data)
                 os.replace(tmp, dest)
             used += info["size"]
@@ -185,7 +185,8 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.dataloader import _setup_dataloader
-    from speculators.train.distributed import get_rank, maybe_destroy_distributed, maybe_setup_distributed
+    from speculators.train.distributed import (get_local_rank, get_rank, is_distributed, maybe_destroy_distributed,
+                                               maybe_setup_distributed)
     from speculators.train.trainer import TrainerConfig
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
@@ -211,7 +212,9 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
 
     # 3. data: stage shards ahead to bounded local disk; one dataset per split
     work = Path(work_dir or os.environ.get("EAGLE_JOBS_WORK_DIR") or Path.home() / ".cache/eagle-jobs/work") / run_id
-    stager = ShardStager(store, run_id, info["manifests"], work / "stage", recipe.train.local_stage_bytes).start()
+    stager = ShardStager(store, run_id, info["manifests"], work / "stage", recipe.train.local_stage_bytes)
+    if get_local_rank() == 0:  # one stager per node; the other ranks read what it staged
+        stager.start()
     items = {"train": [], "validation": []}
     for m in info["manifests"]:
         fname = next(iter(m["files"]))
@@ -252,11 +255,15 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     # 5. resume from the newest committed checkpoint, then train
     stage = Stage(store, run_id, STAGE)
     ckpt_dir = work / "checkpoints"
-    if get_rank() == 0:
+    if get_local_rank() == 0:  # every node resumes from the same committed checkpoint
         shutil.rmtree(ckpt_dir, ignore_errors=True)
         resumed = restore_latest(stage, ckpt_dir, recipe.train_digest())
         if resumed is not None:
             console.print(f"  resuming from committed checkpoint of epoch {resumed}")
+    if is_distributed():
+        import torch.distributed as dist
+
+        dist.barrier()  # no rank looks for a checkpoint before it is on disk
     train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
         ttt_steps=recipe.train.ttt_steps, ttt_step_loss_decay=recipe.train.ttt_step_loss_decay,
         loss_fn=recipe.train.loss_fn, loss_implementation=loss_impl)

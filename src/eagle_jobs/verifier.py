@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -55,10 +56,13 @@ def _convert_gguf(spec: str) -> Path:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = out.with_name(out.name + ".tmp")
+    # write beside, then rename: a half-converted directory is never visible
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    os.replace(tmp, out) if not out.exists() else None
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
     return out
 
 
