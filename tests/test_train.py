@@ -174,3 +174,26 @@ def test_kimi_recipe_shape_is_the_reference(tmp_path):
     s = resolve_shape(load_recipe(REPO / "jobs/kimi-k2.5-smoke.yaml"), kimi_text)
     assert (s.hidden_size, s.num_attention_heads, s.head_dim, s.draft_vocab_size) == (7168, 64, 128, 32000)
     assert s.derived == ()
+
+
+def test_cli_inspect_exit_codes(tiny_recipe, tmp_path):
+    import subprocess
+    import sys
+
+    st = _prepared(tiny_recipe(train={"epochs": 1}), f"file://{tmp_path}/s")
+    run_train(tiny_recipe(train={"epochs": 1}), st, "r", work_dir=tmp_path / "w")
+    final = download_final(st, "r", tmp_path / "final")
+    ok = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", "inspect", str(final)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", "inspect", str(final), "--reference",
+                          str(REPO / "jobs/reference/kimi-k2.5-eagle3.json")], capture_output=True, text=True)
+    assert bad.returncode == int(ExitCode.INCOMPATIBLE) and "head_dim" in bad.stdout + bad.stderr
+    # a checkpoint with midlayer.* keys (SGLang/AQ-MedAI naming) loads in vLLM too
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(final / "model.safetensors"))
+    save_file({k.replace("layers.0.", "midlayer.", 1): v for k, v in sd.items()}, str(final / "model.safetensors"))
+    assert run_inspect(str(final)) == ExitCode.OK
+    sd.pop("fc.weight")
+    save_file(sd, str(final / "model.safetensors"))
+    assert run_inspect(str(final)) == ExitCode.INCOMPATIBLE

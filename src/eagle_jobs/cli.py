@@ -106,6 +106,83 @@ def inspect(checkpoint: Annotated[str, typer.Argument(help="checkpoint directory
     raise typer.Exit(int(code))
 
 
+NsOpt = Annotated[str, typer.Option("--namespace", "-n", help="namespace of the pipeline")]
+KubeOpt = Annotated[Optional[str], typer.Option("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, in-cluster)")]
+
+
+@app.command()
+def submit(overlay: Annotated[Path, typer.Option(help="k8s/overlays/<name>")],
+           run_id: Annotated[str, typer.Option("--run-id", help="this run's id: JobSet name, labels, store path")],
+           recipe: Annotated[Optional[Path], typer.Option(help="replace the overlay's recipe")] = None,
+           kubeconfig: KubeOpt = None):
+    """Render the overlay for one run id and server-side apply it; returns at once."""
+    from eagle_jobs.cluster import submit as do_submit
+
+    do_submit(overlay, run_id, recipe, kubeconfig)
+
+
+@app.command()
+def status(run_id: Annotated[str, typer.Argument()], namespace: NsOpt = "eagle-jobs", kubeconfig: KubeOpt = None,
+           store: StoreOpt = None):
+    """Per-stage state, extraction indexes done/failed, and progress read from the store."""
+    from eagle_jobs import cluster
+
+    api = cluster.api_client(kubeconfig)
+    st = _store_or_none(store)
+    states = cluster.stage_states(api, namespace, run_id)
+    cluster.print_status(states, cluster.store_progress(st, run_id) if st else None)
+    if states["state"] == "NotFound":
+        raise typer.Exit(int(cluster.WatchExit.GONE))
+
+
+@app.command()
+def watch(run_id: Annotated[str, typer.Argument()], namespace: NsOpt = "eagle-jobs", kubeconfig: KubeOpt = None,
+          store: StoreOpt = None, timeout: Annotated[Optional[float], typer.Option(help="seconds")] = None):
+    """Follow a run to its end: exit 0 only on success, a distinct code per kind of failure."""
+    from eagle_jobs import cluster
+
+    code = cluster.watch(cluster.api_client(kubeconfig), namespace, run_id, timeout, _store_or_none(store))
+    print(f"eagle-jobs: run {run_id}: {code.name.lower()}", file=sys.stderr)
+    raise typer.Exit(int(code))
+
+
+@app.command()
+def logs(run_id: Annotated[str, typer.Argument()], namespace: NsOpt = "eagle-jobs", kubeconfig: KubeOpt = None,
+         stage: Annotated[Optional[str], typer.Option(help="capture, extract, train or evaluate")] = None,
+         tail: Annotated[Optional[int], typer.Option(help="last N lines per pod")] = None):
+    """The worker logs of a run's pods."""
+    from eagle_jobs import cluster
+
+    print(cluster.logs(cluster.api_client(kubeconfig), namespace, run_id, stage, tail))
+
+
+@app.command()
+def promote(run_id: Annotated[str, typer.Argument()],
+            to: Annotated[str, typer.Option("--to", help="<store>/drafts/<name>")],
+            store: StoreOpt = None,
+            tolerance: Annotated[float, typer.Option(help="a tie within this much tau still promotes")] = 0.01,
+            image_digest: Annotated[Optional[list[str]], typer.Option(help="stage=sha256:... (repeatable)")] = None):
+    """Copy a run's draft to a stable place only if its tau beats (or ties) the promoted one."""
+    from eagle_jobs.promote import promote as do_promote
+
+    st = _store_or_none(store)
+    if st is None:
+        raise typer.BadParameter("--store (or $EAGLE_JOBS_STORE) is required")
+    digests = dict(d.split("=", 1) for d in image_digest or [])
+    do_promote(st, run_id, to, tolerance, digests)
+
+
+def _store_or_none(uri: str | None):
+    from eagle_jobs.store import Store
+
+    uri = uri or os.environ.get("EAGLE_JOBS_STORE")
+    if not uri:
+        return None
+    st = Store.open(uri)
+    st.check()
+    return st
+
+
 @app.command("serve-vllm")
 def serve_vllm(recipe: RecipeOpt,
                stage: Annotated[str, typer.Option(help="capture, extract or evaluate")],
@@ -124,7 +201,8 @@ def serve_vllm(recipe: RecipeOpt,
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)  # click returns typer.Exit's code instead of raising it
+        sys.exit(rc if isinstance(rc, int) else 0)
     except EagleJobsError as e:
         print(f"eagle-jobs: error: {e}", file=sys.stderr)
         sys.exit(int(e.code))

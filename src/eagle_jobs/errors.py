@@ -18,6 +18,7 @@ class ExitCode(IntEnum):
     UNAVAILABLE = 5  # a server never became healthy or kept failing: retry later
     INCOMPATIBLE = 6  # `inspect`: the checkpoint would not load in vLLM
     NOT_READY = 7  # an upstream stage is not committed yet
+    NOT_BETTER = 9  # `promote`: the candidate does not beat the promoted draft; nothing changed
     INTERRUPTED = 143  # SIGTERM: state was committed; rerun to resume (128 + 15)
 
 

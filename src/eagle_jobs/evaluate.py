@@ -15,6 +15,7 @@ and the same loop with an untrained draft, so the gain is visible.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import tempfile
@@ -338,6 +339,8 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
         "teacher_forced_estimate": teacher_forced_estimate(metrics, k),
         "teacher_forced_note": "1 + sum of training's last validation full_acc_i: an estimate, not a measurement",
         "backend": recipe.evaluate.backend, "prompts": str(prompts) if prompts else "validation split",
+        # what `promote` compares: drafts are ranked only on the same prompts
+        "prompts_sha256": hashlib.sha256(json.dumps(msgs, sort_keys=True).encode()).hexdigest(),
         "train": {k2: train_cfg.get(k2) for k2 in ("samples", "epochs", "total_steps", "parameters")},
         "run_id": run_id,
     }

@@ -307,18 +307,19 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     if get_rank() == 0:
         last = max(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and not p.is_symlink())
         record["metrics"] = recorder.records
-        export_final(stage, ckpt_dir / str(last), record)
+        export_final(stage, ckpt_dir / str(last), record, recipe)
     maybe_destroy_distributed()
     return record
 
 
-def export_final(stage: Stage, ckpt: Path, record: dict) -> None:
+def export_final(stage: Stage, ckpt: Path, record: dict, recipe: Recipe) -> None:
     from eagle_jobs.speculators_compat import export_checkpoint_dir
 
     objects = {k: v for k, v in export_checkpoint_dir(ckpt).items()
                if k in ("model.safetensors", "config.json", "val_metrics.json")}
     objects["train_config.json"] = json.dumps({k: v for k, v in record.items() if k != "metrics"}, indent=1).encode()
     objects["metrics.json"] = json.dumps(record["metrics"]).encode()
+    objects["recipe.json"] = json.dumps(recipe.model_dump(mode="json"), indent=1).encode()  # lineage
     stage.commit_shard("final", {f"final/{k}": v for k, v in objects.items()}, {"epoch": int(ckpt.name)})
     stage.complete({"final": stage.store.url(stage.key("data/final"))})
     console.print(f"  final draft: {stage.store.url(stage.key('data/final'))}")

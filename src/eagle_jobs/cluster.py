@@ -1,0 +1,333 @@
+"""Submitting and following a run on a cluster, with the kubernetes Python client.
+
+`submit` renders an overlay for one run id (a unique JobSet name, the run id in
+labels, in per-run ConfigMap names and in the store path) and server-side
+applies it; `status`, `watch` and `logs` read the JobSet, its Jobs and pods and
+the store. `watch` exits 0 only when the pipeline succeeded and with a distinct
+code for each kind of failure (WatchExit; docs/OPERATIONS.md#watch-exit-codes).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from enum import IntEnum
+from pathlib import Path
+
+import yaml
+
+from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
+from eagle_jobs.progress import console
+
+GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
+FIELD_MANAGER = "eagle-jobs"
+STAGES = ["capture", "extract", "train", "evaluate"]
+APPLY = "application/apply-patch+yaml"
+
+
+class WatchExit(IntEnum):
+    SUCCEEDED = 0
+    BAD_INPUT = 20  # a stage failed with exit 3: fix the recipe or data, do not retry
+    STORE = 21  # a stage failed with exit 4: bucket or credentials
+    FAILED = 22  # a stage exhausted its retries (any other failure)
+    DEADLINE = 23  # a stage ran past activeDeadlineSeconds
+    GONE = 24  # the JobSet does not exist or was deleted
+    TIMEOUT = 25  # --timeout passed before the pipeline finished
+
+
+def jobset_name(run_id: str) -> str:
+    name = re.sub(r"[^a-z0-9-]+", "-", f"eagle-jobs-{run_id}".lower()).strip("-")
+    if len(name) > 50:  # JobSet derives Job and pod names from it
+        raise BadInput(f"run id '{run_id}' is too long for a JobSet name (max 39 characters)")
+    return name
+
+
+# -- render -----------------------------------------------------------------------------
+def render(overlay: Path, run_id: str, recipe_path: Path | None = None) -> list[dict]:
+    """The overlay's objects, made specific to one run id."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        raise BadInput("kubectl not found: install kubectl >= 1.32 (kustomize is built in)")
+    if not (overlay / "kustomization.yaml").is_file():
+        raise BadInput(f"--overlay {overlay}: no kustomization.yaml there")
+    r = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True)
+    if r.returncode:
+        raise BadInput(f"--overlay {overlay}: kustomize failed: {r.stderr.strip().splitlines()[-1]}")
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    return for_run(docs, run_id, recipe_path)
+
+
+def for_run(docs: list[dict], run_id: str, recipe_path: Path | None = None) -> list[dict]:
+    from eagle_jobs.recipe import load_recipe
+
+    name = jobset_name(run_id)
+    suffix = name.removeprefix("eagle-jobs-")
+    renames = {"eagle-jobs-run": f"eagle-jobs-run-{suffix}", "eagle-jobs-recipe": f"eagle-jobs-recipe-{suffix}"}
+    out = []
+    for d in docs:
+        d = json.loads(json.dumps(d))
+        d.setdefault("metadata", {}).setdefault("labels", {})["eagle-jobs/run-id"] = suffix
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] in renames:
+            d["metadata"]["name"] = renames[d["metadata"]["name"]]
+            if "EAGLE_JOBS_RUN_ID" in d.get("data", {}):
+                d["data"]["EAGLE_JOBS_RUN_ID"] = run_id
+            if recipe_path is not None and "recipe.yaml" in d.get("data", {}):
+                load_recipe(recipe_path)  # bad recipes stop here, before anything is applied
+                d["data"]["recipe.yaml"] = recipe_path.read_text()
+        if d["kind"] == "JobSet":
+            d["metadata"]["name"] = name
+            text = json.dumps(d)
+            for old, new in renames.items():
+                text = text.replace(f'"name": "{old}"', f'"name": "{new}"')
+            d = json.loads(text)
+        out.append(d)
+    if not any(d["kind"] == "JobSet" for d in out):
+        raise BadInput("the overlay renders no JobSet")
+    return out
+
+
+# -- apply -------------------------------------------------------------------------------
+def api_client(kubeconfig: str | None = None):
+    from kubernetes import client, config
+
+    try:
+        config.load_kube_config(config_file=kubeconfig)
+    except Exception:  # noqa: BLE001 - inside a pod
+        config.load_incluster_config()
+    return client.ApiClient()
+
+
+def apply(api, docs: list[dict]) -> list[str]:
+    """Server-side apply each object (field manager eagle-jobs), in dependency order."""
+    from kubernetes import client
+
+    core, apps, rbac = client.CoreV1Api(api), client.AppsV1Api(api), client.RbacAuthorizationV1Api(api)
+    custom = client.CustomObjectsApi(api)
+    from kubernetes.client.exceptions import ApiException
+
+    # No force: a CI submitter must not silently take over fields another manager owns.
+    kw = {"field_manager": FIELD_MANAGER, "_content_type": APPLY}
+    order = {"Namespace": 0, "ServiceAccount": 1, "Role": 1, "RoleBinding": 2, "ConfigMap": 2, "Service": 3,
+             "Deployment": 4, "JobSet": 9}
+    done = []
+    for d in sorted(docs, key=lambda d: order.get(d["kind"], 5)):
+        kind, md = d["kind"], d["metadata"]
+        name, ns = md["name"], md.get("namespace")
+        try:
+            _apply_one(core, apps, rbac, custom, kind, name, ns, d, kw)
+        except ApiException as e:
+            msg = _status_message(e)
+            if e.status == 409:
+                raise BadInput(f"submit: {kind}/{name} is managed by someone else ({msg}); delete it or use another run id") from None
+            if e.status == 422:
+                raise BadInput(f"submit: {kind}/{name} exists with a different spec ({msg}); delete it or use a new --run-id") from None
+            if e.status in (401, 403):
+                raise EagleJobsError(f"submit: not allowed to apply {kind}/{name} in {ns} ({msg}): bind k8s/rbac/submitter.yaml") from None
+            raise
+        done.append(f"{kind}/{name}")
+    return done
+
+
+def _status_message(e) -> str:
+    try:
+        return json.loads(e.body).get("message", e.reason)
+    except (TypeError, ValueError):
+        return str(e.reason)
+
+
+def _apply_one(core, apps, rbac, custom, kind, name, ns, d, kw) -> None:
+    if kind == "Namespace":
+        core.patch_namespace(name, d, **kw)
+    elif kind == "ServiceAccount":
+        core.patch_namespaced_service_account(name, ns, d, **kw)
+    elif kind == "ConfigMap":
+        core.patch_namespaced_config_map(name, ns, d, **kw)
+    elif kind == "Service":
+        core.patch_namespaced_service(name, ns, d, **kw)
+    elif kind == "Deployment":
+        apps.patch_namespaced_deployment(name, ns, d, **kw)
+    elif kind == "Role":
+        rbac.patch_namespaced_role(name, ns, d, **kw)
+    elif kind == "RoleBinding":
+        rbac.patch_namespaced_role_binding(name, ns, d, **kw)
+    elif kind == "JobSet":
+        custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name, d, **kw)
+    else:
+        raise BadInput(f"submit: don't know how to apply {kind}")
+
+
+def submit(overlay: Path, run_id: str, recipe_path: Path | None = None, kubeconfig: str | None = None) -> dict:
+    # The namespace is cluster-scoped and created once by an admin (`kubectl apply -k`);
+    # the submitter's Role (k8s/rbac/submitter.yaml) is namespaced.
+    docs = [d for d in render(overlay, run_id, recipe_path) if d["kind"] != "Namespace"]
+    js = next(d for d in docs if d["kind"] == "JobSet")
+    applied = apply(api_client(kubeconfig), docs)
+    console.print(f"submitted {js['metadata']['name']} in namespace {js['metadata']['namespace']}: {', '.join(applied)}")
+    return {"jobset": js["metadata"]["name"], "namespace": js["metadata"]["namespace"], "applied": applied}
+
+
+# -- status ------------------------------------------------------------------------------
+def _cond(obj: dict, type_: str) -> dict | None:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_ and c.get("status") == "True":
+            return c
+    return None
+
+
+def stage_states(api, namespace: str, run_id: str) -> dict:
+    """JobSet-level state and, per stage, the Job's state and extraction indexes."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    name = jobset_name(run_id)
+    try:
+        js = client.CustomObjectsApi(api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    except ApiException as e:
+        if e.status == 404:
+            return {"jobset": name, "state": "NotFound", "stages": {}}
+        raise
+    jobs = client.BatchV1Api(api).list_namespaced_job(
+        namespace, label_selector=f"jobset.sigs.k8s.io/jobset-name={name}").items
+    stages: dict = {s: {"state": "Waiting"} for s in STAGES}
+    for j in jobs:
+        stage = (j.metadata.labels or {}).get("jobset.sigs.k8s.io/replicatedjob-name")
+        if stage not in stages:
+            continue
+        st = j.status
+        conds = {c.type: c for c in (st.conditions or []) if c.status == "True"}
+        state = "Running"
+        if "Complete" in conds:
+            state = "Complete"
+        elif "Failed" in conds:
+            state = "Failed"
+        elif not (st.active or 0) and not (st.succeeded or 0) and not (st.failed or 0):
+            state = "Pending"
+        stages[stage] = {"state": state, "active": st.active or 0, "succeeded": st.succeeded or 0,
+                         "failed": st.failed or 0, "completed_indexes": st.completed_indexes or "",
+                         "failed_indexes": st.failed_indexes or "",
+                         "reason": conds["Failed"].reason if "Failed" in conds else None,
+                         "message": conds["Failed"].message if "Failed" in conds else None}
+    state = "Running"
+    if _cond(js, "Completed"):
+        state = "Completed"
+    elif _cond(js, "Failed"):
+        state = "Failed"
+    elif _cond(js, "Suspended"):
+        state = "Suspended"
+    return {"jobset": name, "state": state, "stages": stages, "resource_version": js["metadata"].get("resourceVersion")}
+
+
+def store_progress(store, run_id: str) -> dict:
+    from eagle_jobs.pipeline import STAGE_DIRS
+    from eagle_jobs.store import Stage
+
+    out = {}
+    for s in STAGES:
+        st = Stage(store, run_id, STAGE_DIRS[s])
+        out[s] = {"committed_shards": len(st.store.list(st.key("manifests"))), "complete": st.is_complete()}
+    return out
+
+
+def failure_exit(api, namespace: str, run_id: str, states: dict) -> WatchExit:
+    """Classify a failed run by its Jobs' condition reasons and its pods' exit codes."""
+    from kubernetes import client
+
+    reasons = {s["reason"] for s in states["stages"].values() if s.get("reason")}
+    if "DeadlineExceeded" in reasons:
+        return WatchExit.DEADLINE
+    pods = client.CoreV1Api(api).list_namespaced_pod(
+        namespace, label_selector=f"jobset.sigs.k8s.io/jobset-name={states['jobset']}").items
+    codes = set()
+    for p in pods:
+        for cs in (p.status.container_statuses or []):
+            term = cs.state.terminated if cs.state else None
+            if cs.name == "worker" and term is not None and term.exit_code:
+                codes.add(term.exit_code)
+    if int(ExitCode.BAD_INPUT) in codes:
+        return WatchExit.BAD_INPUT
+    if int(ExitCode.STORE) in codes:
+        return WatchExit.STORE
+    return WatchExit.FAILED
+
+
+def print_status(states: dict, progress: dict | None) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"{states['jobset']}: {states['state']}")
+    for c in ("stage", "state", "pods ok/active/failed", "indexes done", "indexes failed", "store"):
+        t.add_column(c)
+    for s in STAGES:
+        x = states["stages"].get(s, {"state": "-"})
+        p = (progress or {}).get(s, {})
+        t.add_row(s, x["state"], f"{x.get('succeeded', 0)}/{x.get('active', 0)}/{x.get('failed', 0)}",
+                  x.get("completed_indexes", ""), x.get("failed_indexes", ""),
+                  f"{p.get('committed_shards', '?')} shards{' , complete' if p.get('complete') else ''}")
+    console.print(t)
+
+
+def watch(api, namespace: str, run_id: str, timeout_s: float | None = None, store=None) -> WatchExit:
+    """Follow the JobSet until it finishes; survives dropped watches and 410 Gone."""
+    from kubernetes import client, watch as kwatch
+    from kubernetes.client.exceptions import ApiException
+
+    deadline = time.monotonic() + timeout_s if timeout_s else None
+    name = jobset_name(run_id)
+    custom = client.CustomObjectsApi(api)
+    rv = None
+    last = None
+    while True:
+        states = stage_states(api, namespace, run_id)
+        if states["state"] == "NotFound":
+            return WatchExit.GONE
+        summary = (states["state"], tuple(sorted((k, v["state"]) for k, v in states["stages"].items())))
+        if summary != last:
+            print_status(states, store_progress(store, run_id) if store is not None else None)
+            last = summary
+        if states["state"] == "Completed":
+            return WatchExit.SUCCEEDED
+        if states["state"] == "Failed":
+            return failure_exit(api, namespace, run_id, states)
+        if deadline and time.monotonic() > deadline:
+            return WatchExit.TIMEOUT
+        rv = rv or states.get("resource_version")
+        remaining = int(max(1, min(300, deadline - time.monotonic()))) if deadline else 300
+        w = kwatch.Watch()
+        try:
+            for ev in w.stream(custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+                               field_selector=f"metadata.name={name}", resource_version=rv,
+                               timeout_seconds=remaining):
+                obj = ev["object"]
+                rv = obj.get("metadata", {}).get("resourceVersion", rv)
+                if ev["type"] == "DELETED":
+                    return WatchExit.GONE
+                break  # re-read the JobSet and its Jobs on every change
+        except ApiException as e:
+            if e.status == 410:  # our resourceVersion is too old: list again
+                rv = None
+                continue
+            raise
+        except Exception:  # noqa: BLE001 - a dropped connection: reconnect from the last version seen
+            time.sleep(0.2)
+        finally:
+            w.stop()
+
+
+def logs(api, namespace: str, run_id: str, stage: str | None = None, tail: int | None = None) -> str:
+    from kubernetes import client
+
+    core = client.CoreV1Api(api)
+    sel = f"jobset.sigs.k8s.io/jobset-name={jobset_name(run_id)}"
+    if stage:
+        sel += f",jobset.sigs.k8s.io/replicatedjob-name={stage}"
+    out = []
+    for p in sorted(core.list_namespaced_pod(namespace, label_selector=sel).items, key=lambda p: p.metadata.name):
+        text = core.read_namespaced_pod_log(p.metadata.name, namespace, container="worker", tail_lines=tail)
+        out.append(f"==> {p.metadata.name} <==\n{text}")
+    return "\n".join(out)
+
+
+class WatchFailed(EagleJobsError):
+    pass

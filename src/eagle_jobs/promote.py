@@ -1,0 +1,92 @@
+"""`eagle-jobs promote`: a run's draft becomes the stable one only if it is at least as good.
+
+Layout under the destination (e.g. s3://bucket/runs/drafts/kimi-k2.5):
+    versions/<run-id>/...        the checkpoint, report.json/.md and lineage.json
+    CURRENT.json                 which version is promoted, its tau and evaluation prompts
+
+The version is copied completely before CURRENT.json is replaced (one PUT), so a
+reader never sees a half-promoted draft.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import time
+
+from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
+from eagle_jobs.progress import console
+from eagle_jobs.store import Stage, Store
+
+def _git_commit() -> str | None:
+    for var in ("EAGLE_JOBS_GIT_COMMIT", "GITHUB_SHA"):
+        if os.environ.get(var):
+            return os.environ[var]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _manifest_hashes(store: Store, run_id: str) -> dict[str, str]:
+    """One sha256 per stage over its manifests: the exact data a draft was trained on."""
+    out = {}
+    for stage in ("capture", "extract"):
+        st = Stage(store, run_id, stage)
+        h = hashlib.sha256()
+        for key in st.store.list(st.key("manifests")):
+            h.update(key.encode())
+            h.update(store.get(key))
+        out[stage] = h.hexdigest()
+    return out
+
+
+def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
+            image_digests: dict[str, str] | None = None) -> dict:
+    train, ev = Stage(store, run_id, "train"), Stage(store, run_id, "eval")
+    final, report_m = train.manifest("final"), ev.manifest("report")
+    if final is None or report_m is None:
+        raise BadInput(f"promote: run '{run_id}' has no committed final checkpoint and evaluation report in {store.uri}")
+    report = json.loads(ev.read("report.json", report_m["files"]["report.json"]))
+    tau = float(report["acceptance_length"])
+    dest = Store.open(dest_uri)
+    dest.check()
+    try:
+        current = dest.get_json("CURRENT.json")
+    except FileNotFoundError:
+        current = None
+    if current is not None:
+        if current.get("prompts_sha256") != report.get("prompts_sha256"):
+            raise BadInput(f"promote: '{run_id}' was evaluated on other prompts than the promoted "
+                           f"'{current['run_id']}' ({report.get('prompts_sha256')} vs {current.get('prompts_sha256')}): "
+                           "evaluate both with the same --prompts file")
+        if tau + tolerance < current["acceptance_length"]:
+            msg = (f"promote: not promoted: tau {tau:.3f} < promoted '{current['run_id']}' "
+                   f"{current['acceptance_length']:.3f} - {tolerance}")
+            raise EagleJobsError(msg, ExitCode.NOT_BETTER)
+    prefix = f"versions/{run_id}"
+    for f, info in final["files"].items():  # checkpoint objects, each checked against its manifest
+        dest.put(f"{prefix}/{f.split('/', 1)[1]}", train.read(f, info))
+    for f, info in report_m["files"].items():
+        dest.put(f"{prefix}/eval/{f}", ev.read(f, info))
+    train_cfg = json.loads(dest.get(f"{prefix}/train_config.json"))
+    recipe = json.loads(dest.get(f"{prefix}/recipe.json"))
+    lineage = {
+        "run_id": run_id, "recipe_digest": train_cfg.get("recipe_digest"),
+        "verifier": recipe["verifier"]["model"], "verifier_revision": recipe["verifier"].get("revision"),
+        "data_manifests_sha256": _manifest_hashes(store, run_id), "git_commit": _git_commit(),
+        "image_digests": image_digests or json.loads(os.environ.get("EAGLE_JOBS_IMAGE_DIGESTS", "{}")),
+        "acceptance_length": tau, "per_position_acceptance": report["per_position_acceptance"],
+        "prompts_sha256": report.get("prompts_sha256"), "report": dest.url(f"{prefix}/eval/report.md"),
+        "source": store.url(train.key("data/final")), "promoted_at": time.time(),
+        "previous": current["run_id"] if current else None,
+    }
+    dest.put_json(f"{prefix}/lineage.json", lineage)
+    dest.put_json("CURRENT.json", {"run_id": run_id, "version": dest.url(prefix), "acceptance_length": tau,
+                                   "prompts_sha256": report.get("prompts_sha256"), "lineage": dest.url(f"{prefix}/lineage.json")})
+    console.print(f"promoted '{run_id}' (tau {tau:.3f}"
+                  + (f", was {current['acceptance_length']:.3f} from '{current['run_id']}'" if current else "")
+                  + f") to {dest.url(prefix)}")
+    return lineage
