@@ -49,6 +49,7 @@ class ShardStats:
     completion_tokens: int = 0
     skipped_too_long: int = 0
     skipped: list[str] = field(default_factory=list)
+    reused: int = 0
 
 
 def parse_reasoning(text: str, parser: str | None, thinking: bool = True) -> tuple[str | None, str]:
@@ -216,7 +217,7 @@ class VllmBackend:
             body = {
                 "model": model, "messages": history, "max_tokens": r.sampling.max_new_tokens,
                 "temperature": r.sampling.temperature, "top_p": r.sampling.top_p,
-                "seed": r.sampling.seed + c.index, "return_token_ids": True,
+                "seed": (r.sampling.seed + int(c.sha[:8], 16)) % 2**31, "return_token_ids": True,
             }
             if self.kw:
                 body["chat_template_kwargs"] = self.kw
@@ -265,18 +266,26 @@ def run_capture(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
     todo = [(k, c) for k, c in enumerate(chunks) if not stage.is_committed(shard_name(idx, n, k))]
     console.print(f"[bold]capture[/] worker {idx}/{n}: {sum(len(c) for c in chunks)} conversations in "
                   f"{len(chunks)} shards, {len(chunks) - len(todo)} already committed")
+    from eagle_jobs.reuse import CaptureIndex
+
+    index = CaptureIndex.build(store, recipe, run_id)  # rows other runs already captured
     totals = ShardStats()
     if todo:
         if recipe.capture.backend == "transformers":
-            backend = TransformersBackend(recipe)
-            _capture_shards(recipe, stage, idx, n, todo, backend, totals)
+            _capture_shards(recipe, stage, idx, n, todo, lambda: TransformersBackend(recipe), totals, index)
         else:
             from eagle_jobs.vllm_server import vllm_endpoint
 
-            with vllm_endpoint(recipe.capture.vllm, recipe.verifier.model) as base:
-                _capture_shards(recipe, stage, idx, n, todo, VllmBackend(recipe, base), totals)
+            needs_server = any(index.rows_for(c.sha) is None for _k, chunk in todo for c in chunk)
+            if needs_server:
+                with vllm_endpoint(recipe.capture.vllm, recipe.verifier.model) as base:
+                    _capture_shards(recipe, stage, idx, n, todo, lambda: VllmBackend(recipe, base), totals, index)
+            else:
+                _capture_shards(recipe, stage, idx, n, todo, lambda: None, totals, index)
+    if totals.reused:
+        console.print(f"  reused {totals.reused} conversations captured by other runs with the same settings")
     summary = {"worker": idx, "num_workers": n, "shards": len(chunks), "rows_written": totals.rows,
-               "skipped_too_long": totals.skipped_too_long}
+               "skipped_too_long": totals.skipped_too_long, "reused_conversations": totals.reused}
     done = stage.mark_worker_done(idx, n, summary)
     if totals.skipped_too_long:
         console.print(f"  skipped {totals.skipped_too_long} turns longer than limits.max_prompt_tokens")
@@ -284,22 +293,49 @@ def run_capture(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
     return summary
 
 
-def _capture_shards(recipe, stage: Stage, idx, n, todo, backend, totals: ShardStats) -> None:
+def _reused_rows(index, c: Conversation) -> list[dict] | None:
+    rows = index.rows_for(c.sha)
+    if rows is None:
+        return None
+    out = []
+    for r in rows:  # the same conversation at another position of another prompt set
+        r = dict(r, prompt_index=c.index, split=c.split, row_id=f"{c.index:08d}-{r['turn']:02d}")
+        out.append(r)
+    return out
+
+
+def _capture_shards(recipe, stage: Stage, idx, n, todo, make_backend, totals: ShardStats, index) -> None:
+    from eagle_jobs.reuse import capture_digest
+
+    backend = None
     with stage_progress("capture", sum(len(c) for _, c in todo), "conversations") as advance:
         for k, chunk in todo:
             stats = ShardStats()
-            rows = backend.run(chunk, stats, advance)
+            rows, fresh = [], []
+            for c in chunk:
+                got = _reused_rows(index, c)
+                if got is None:
+                    fresh.append(c)
+                else:
+                    rows += got
+                    stats.reused += 1
+            if fresh:
+                backend = backend or make_backend()
+                rows += backend.run(fresh, stats, advance)
             advance(len(chunk), 0)
             rows.sort(key=lambda r: r["row_id"])
             blob = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
             name = shard_name(idx, n, k)
             stage.commit_shard(name, {f"{name}.jsonl": blob}, {
                 "rows": len(rows), "tokens": sum(len(r["input_ids"]) for r in rows),
-                "prompt_indices": [c.index for c in chunk], "skipped_too_long": stats.skipped,
+                "prompt_indices": [c.index for c in chunk], "prompt_sha256s": [c.sha for c in chunk],
+                "skipped_too_long": stats.skipped, "reused_conversations": stats.reused,
+                "settings_digest": capture_digest(recipe),
                 "verifier": recipe.verifier.model, "backend": recipe.capture.backend,
             })
             totals.rows += len(rows)
             totals.skipped_too_long += stats.skipped_too_long
+            totals.reused += stats.reused
 
 
 def read_rows(store: Store, run_id: str, require_complete: bool = True) -> list[dict]:

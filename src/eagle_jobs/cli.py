@@ -87,12 +87,17 @@ def run(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
 
 
 @app.command()
-def plan(recipe: RecipeOpt):
-    """Estimate tokens, bytes, objects, traffic and time per stage before booking GPUs."""
+def plan(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None):
+    """Estimate tokens, bytes, objects, traffic and time per stage before booking GPUs.
+
+    With --store, also what capture and extract would reuse from other runs there.
+    """
     from eagle_jobs.plan import print_plan
     from eagle_jobs.recipe import load_recipe
 
-    print_plan(load_recipe(recipe))
+    r = load_recipe(recipe)
+    st = _store_or_none(store)
+    print_plan(r, st, run_id or r.store.run_id)
 
 
 @app.command()

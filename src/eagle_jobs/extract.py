@@ -233,37 +233,60 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
     console.print(f"[bold]extract[/] worker {idx}/{n}: {sum(len(s) for s in plan)} rows in {len(plan)} shards "
                   f"(~{recipe.extract.shard_bytes / 2**20:.0f} MiB each, {bpt} B/token), "
                   f"{len(plan) - len(todo)} already committed; layers {layer_ids}")
+    from eagle_jobs.reuse import HiddenStateIndex
+
+    index = HiddenStateIndex.build(store, recipe, run_id)  # samples other runs already extracted
     skipped: list[dict] = []
+    reused = [0]
     if todo:
         if recipe.extract.backend == "transformers":
-            ex = TransformersExtractor(recipe)
-            _extract_shards(recipe, stage, idx, n, todo, ex, layer_ids, hidden, skipped)
+            _extract_shards(recipe, stage, idx, n, todo, lambda: TransformersExtractor(recipe), layer_ids, hidden,
+                            skipped, index, reused)
         else:
             from eagle_jobs.vllm_server import vllm_endpoint
 
             scratch = scratch_dir(recipe, run_id, idx)
             args = VllmExtractor.serve_args(recipe, layer_ids, scratch)
             with vllm_endpoint(recipe.extract.vllm, recipe.verifier.model, args) as base:
-                _extract_shards(recipe, stage, idx, n, todo, VllmExtractor(recipe, base, scratch),
-                                layer_ids, hidden, skipped)
+                _extract_shards(recipe, stage, idx, n, todo, lambda: VllmExtractor(recipe, base, scratch),
+                                layer_ids, hidden, skipped, index, reused)
+    if reused[0]:
+        console.print(f"  reused {reused[0]} samples extracted by other runs with the same settings")
     if skipped:
         console.print(f"  [yellow]skipped {len(skipped)} records[/] (never trained on): "
                       + "; ".join(f"{s['row_id']}: {s['reason']}" for s in skipped[:5]))
     summary = {"worker": idx, "num_workers": n, "shards": len(plan), "skipped": len(skipped),
-               "layer_ids": layer_ids}
+               "layer_ids": layer_ids, "reused_samples": reused[0]}
     done = stage.mark_worker_done(idx, n, summary)
     console.print(f"  extract {'complete' if done else 'worker done'}: {store.url(stage.prefix)}")
     return summary
 
 
-def _extract_shards(recipe, stage: Stage, idx, n, todo, ex, layer_ids, hidden, skipped_all) -> None:
+def _extract_shards(recipe, stage: Stage, idx, n, todo, make_extractor, layer_ids, hidden, skipped_all,
+                    index, reused) -> None:
     """Compute shard k+1 while shard k is packed and uploaded in the background."""
+    from eagle_jobs.reuse import ids_sha256
+
     pool = ThreadPoolExecutor(max_workers=1)
     pending: Future | None = None
+    ex = None
     try:
         with stage_progress("extract", sum(len(s) for _, s in todo), "rows") as advance:
             for k, rows in todo:
-                states = ex.states(rows, advance)
+                states, fresh = {}, []
+                for r in rows:
+                    hit = index.where.get(ids_sha256(r["input_ids"]))
+                    if hit is None:
+                        fresh.append(r)
+                        continue
+                    src_run, m, e = hit
+                    s = read_sample(stage.store, src_run, m, e, torch.float32)
+                    states[r["row_id"]] = (s["hidden_states"], s["token_ids"].tolist())
+                    reused[0] += 1
+                    advance(1, 0)
+                if fresh:
+                    ex = ex or make_extractor()
+                    states.update(ex.states(fresh, advance))
                 if pending is not None:
                     skipped_all.extend(pending.result())
                 pending = pool.submit(_pack_and_commit, recipe, stage, shard_name(idx, n, k), rows, states,
@@ -272,7 +295,8 @@ def _extract_shards(recipe, stage: Stage, idx, n, todo, ex, layer_ids, hidden, s
                 skipped_all.extend(pending.result())
     finally:
         pool.shutdown(wait=True)
-        ex.close()
+        if ex is not None:
+            ex.close()
 
 
 def _pack_and_commit(recipe, stage: Stage, name: str, rows, states, layer_ids, hidden) -> list[dict]:
@@ -286,7 +310,10 @@ def _pack_and_commit(recipe, stage: Stage, name: str, rows, states, layer_ids, h
         samples.append(Sample(r["row_id"], hs, torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"])))
         kept.append(r)
     blob, index = encode_shard(samples, layer_ids, recipe.extract.storage_dtype)
+    from eagle_jobs.reuse import extract_digest, ids_sha256
+
     for e, r in zip(index, kept):
+        e["ids_sha256"] = ids_sha256(r["input_ids"])
         e["split"] = r["split"]
         e["prompt_index"] = r["prompt_index"]
         e["loss_tokens"] = int(sum(r["loss_mask"]))
@@ -294,6 +321,7 @@ def _pack_and_commit(recipe, stage: Stage, name: str, rows, states, layer_ids, h
         "format": "eagle-jobs/hidden-states/v1", "storage": recipe.extract.storage_dtype,
         "layer_ids": layer_ids, "hidden_size": hidden, "samples": index, "skipped": skipped,
         "verifier": recipe.verifier.model, "tokens": sum(e["num_tokens"] for e in index),
+        "settings_digest": extract_digest(recipe),
     })
     return skipped
 

@@ -113,8 +113,17 @@ def make_plan(recipe: Recipe) -> dict:
             "total_objects": sum(s["objects"] for s in stages.values())}
 
 
-def print_plan(recipe: Recipe) -> dict:
+def print_plan(recipe: Recipe, store=None, run_id: str | None = None) -> dict:
     p = make_plan(recipe)
+    if store is not None:
+        from eagle_jobs.prompts import load_prompts
+        from eagle_jobs.reuse import reuse_plan
+
+        p["reuse"] = reuse_plan(store, recipe, run_id or recipe.store.run_id, load_prompts(recipe.prompts))
+        u = p["reuse"]
+        console.print(f"  reuse from {store.uri}: {u['capture_reused']:,} of {u['conversations']:,} conversations "
+                      f"already captured (runs {', '.join(u['from_runs']) or '-'}), "
+                      f"{u['hidden_state_tokens_reused']:,} tokens of hidden states already extracted")
     console.print(f"[bold]plan[/] {recipe.name}: {p['conversations']:,} conversations, {p['samples']:,} samples, "
                   f"~{p['tokens']:,} tokens (<= {p['tokens_per_sample']:.0f}/sample)")
     console.print(f"  hidden states: {_human(p['hidden_state_bytes']['bfloat16'])} bf16, "

@@ -1,0 +1,114 @@
+"""Incremental retraining: reuse what other runs in the same store already committed.
+
+Content-addressed: a capture row is reused when another run captured the same
+conversation (sha256 of its messages) with the same verifier revision, chat,
+sampling and limit settings; a hidden-state sample is reused when another run
+extracted the same token ids (sha256) with the same verifier revision, layer ids
+and storage dtype. Reused data is copied into this run (its manifests stay the
+single source of truth for readers), so a later deletion of the old run changes
+nothing here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from eagle_jobs.recipe import Recipe
+from eagle_jobs.store import Stage, Store
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def capture_digest(recipe: Recipe) -> str:
+    v = recipe.verifier
+    return _digest({"verifier": [v.model, v.revision, v.dtype], "chat": recipe.chat.model_dump(mode="json"),
+                    "sampling": recipe.sampling.model_dump(mode="json"), "limits": recipe.limits.model_dump(mode="json")})
+
+
+def extract_digest(recipe: Recipe) -> str:
+    v = recipe.verifier
+    return _digest({"verifier": [v.model, v.revision, v.dtype], "aux": recipe.aux_layer_ids,
+                    "storage": recipe.extract.storage_dtype})
+
+
+def ids_sha256(ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()
+
+
+def other_runs(store: Store, run_id: str) -> list[str]:
+    runs = []
+    for key in store.list(""):
+        name = key.rstrip("/").rsplit("/", 1)[-1]
+        if name != run_id and store.exists(f"{name}/capture/manifests"):
+            runs.append(name)
+    return sorted(runs)
+
+
+@dataclass
+class CaptureIndex:
+    """prompt sha256 -> (run, shard file, manifest file info) of committed rows with the same settings."""
+
+    where: dict[str, tuple[str, str, dict]] = field(default_factory=dict)
+    _cache: dict[tuple[str, str], list[dict]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, store: Store, recipe: Recipe, run_id: str) -> "CaptureIndex":
+        idx = cls()
+        want = capture_digest(recipe)
+        for run in other_runs(store, run_id):
+            for m in Stage(store, run, "capture").manifests():
+                if m.get("settings_digest") != want:
+                    continue
+                (fname, info), = m["files"].items()
+                for sha in m.get("prompt_sha256s", []):
+                    idx.where.setdefault(sha, (run, fname, info))
+        idx.store = store
+        return idx
+
+    def rows_for(self, sha: str) -> list[dict] | None:
+        hit = self.where.get(sha)
+        if hit is None:
+            return None
+        run, fname, info = hit
+        if (run, fname) not in self._cache:
+            data = Stage(self.store, run, "capture").read(fname, info)
+            self._cache[(run, fname)] = [json.loads(ln) for ln in data.decode().splitlines()]
+        return [r for r in self._cache[(run, fname)] if r["prompt_sha256"] == sha]
+
+
+@dataclass
+class HiddenStateIndex:
+    """token-ids sha256 -> (run, manifest, sample entry) of committed samples with the same settings."""
+
+    where: dict[str, tuple[str, dict, dict]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, store: Store, recipe: Recipe, run_id: str) -> "HiddenStateIndex":
+        idx = cls()
+        want = extract_digest(recipe)
+        for run in other_runs(store, run_id):
+            for m in Stage(store, run, "extract").manifests():
+                if m.get("settings_digest") != want:
+                    continue
+                for e in m["samples"]:
+                    if "ids_sha256" in e:
+                        idx.where.setdefault(e["ids_sha256"], (run, m, e))
+        return idx
+
+
+def reuse_plan(store: Store, recipe: Recipe, run_id: str, convs, rows: list[dict] | None = None) -> dict:
+    """What `capture` and `extract` would take from other runs instead of computing."""
+    cap = CaptureIndex.build(store, recipe, run_id)
+    reused = [c for c in convs if c.sha in cap.where]
+    tokens = 0
+    hs = HiddenStateIndex.build(store, recipe, run_id)
+    for c in reused:
+        for r in cap.rows_for(c.sha) or []:
+            if ids_sha256(r["input_ids"]) in hs.where:
+                tokens += len(r["input_ids"])
+    return {"conversations": len(convs), "capture_reused": len(reused),
+            "from_runs": sorted({cap.where[c.sha][0] for c in reused}), "hidden_state_tokens_reused": tokens}
