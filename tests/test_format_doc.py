@@ -1,0 +1,49 @@
+"""docs/FORMAT.md stays true: its tables name exactly what the stages write."""
+
+import re
+from pathlib import Path
+
+from eagle_jobs.capture import read_rows, run_capture
+from eagle_jobs.extract import extraction_info, run_extract
+from eagle_jobs.store import Store
+
+DOC = (Path(__file__).resolve().parents[1] / "docs/FORMAT.md").read_text()
+
+
+def _table_names(after: str) -> set[str]:
+    block = DOC[DOC.index(after):]
+    names = []
+    for line in block.splitlines()[2:]:
+        if not line.startswith("|"):
+            if names:
+                break
+            continue
+        cell = line.split("|")[1]
+        names += re.findall(r"`([^`]+)`", cell)
+    return {n for n in names if not set(n) & {"-", " "}}
+
+
+def test_capture_row_fields_are_documented(tiny_recipe, tmp_path):
+    st = Store.open(f"file://{tmp_path}/s")
+    r = tiny_recipe(prompts={"limit": 3})
+    run_capture(r, st, "d")
+    row = read_rows(st, "d")[0]
+    documented = _table_names("`data/<shard>.jsonl`")
+    assert set(row) == documented - {"---"}, (set(row) ^ documented)
+
+
+def test_hidden_state_shard_is_as_documented(tiny_recipe, tmp_path):
+    st = Store.open(f"file://{tmp_path}/s")
+    r = tiny_recipe(prompts={"limit": 3})
+    run_capture(r, st, "d")
+    run_extract(r, st, "d")
+    m = extraction_info(st, "d")["manifests"][0]
+    e = m["samples"][0]
+    block = DOC[DOC.index("`{row_id, split"):]
+    keys = {k.strip() for k in block[2: block.index("tensors:")].split(",") if k.strip()} | {"tensors"}
+    assert set(e) == keys, set(e) ^ keys
+    assert set(e["tensors"]) == {"hidden_states", "token_ids", "loss_mask"}
+    for name in ("{i}.hidden_states", "{i}.scales", "{i}.token_ids", "{i}.loss_mask"):
+        assert f"`{name}`" in DOC
+    for key in ("format", "storage", "layer_ids", "hidden_size", "tokens", "verifier", "settings_digest", "skipped"):
+        assert key in m and f"`{key}`" in DOC
