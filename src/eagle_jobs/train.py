@@ -46,8 +46,10 @@ class ShardStager:
         root.mkdir(parents=True, exist_ok=True)
         self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def local(self, fname: str) -> Path:
-        return self.root / fname
+    @staticmethod
+    def local_name(fname: str, info: dict) -> str:
+        """Content-addressed: a staged copy from an earlier extraction can never be mistaken for this one."""
+        return f"{info['sha256'][:16]}-{fname}"
 
     def _run(self) -> None:
         used = 0
@@ -55,7 +57,7 @@ class ShardStager:
             (fname, info), = m["files"].items()
             if used + info["size"] > self.budget:
                 return
-            dest = self.local(fname)
+            dest = self.root / self.local_name(fname, info)
             if not dest.exists():
                 data = self.stage.read(fname, info)  # sha256-checked against the manifest
                 tmp = dest.with_name(f"{dest.name}.part-{os.getpid()}")
@@ -74,14 +76,14 @@ def _dataset_class():
     class StoreHiddenStatesDataset(BaseDataset):
         """Samples of one split, read from staged shards or by range reads from the store."""
 
-        def __init__(self, store_uri: str, run_id: str, items: list[tuple[str, dict]], stage_root: str,
+        def __init__(self, store_uri: str, run_id: str, items: list[tuple[str, str, dict]], stage_root: str,
                      max_len: int, dtype: torch.dtype):
             self.store_uri, self.run_id, self.items, self.stage_root = store_uri, run_id, items, stage_root
             self._store = None
             super().__init__(max_len, dtype)
 
         def _compute_approx_lengths(self):
-            return [min(e["num_tokens"], self.max_len) for _f, e in self.items]
+            return [min(e["num_tokens"], self.max_len) for _f, _l, e in self.items]
 
         def __len__(self):
             return len(self.items)
@@ -89,8 +91,8 @@ def _dataset_class():
         def _get_raw_data(self, index: int):
             from eagle_jobs.hsformat import decode_sample
 
-            fname, e = self.items[index]
-            local = Path(self.stage_root) / fname
+            fname, local_name, e = self.items[index]
+            local = Path(self.stage_root) / local_name
             if local.exists():
                 with open(local, "rb") as f:
                     f.seek(e["start"])
@@ -217,10 +219,10 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
         stager.start()
     items = {"train": [], "validation": []}
     for m in info["manifests"]:
-        fname = next(iter(m["files"]))
+        (fname, finfo), = m["files"].items()
         for e in m["samples"]:
             if e["loss_tokens"] > 1:
-                items[e["split"]].append((fname, e))
+                items[e["split"]].append((fname, ShardStager.local_name(fname, finfo), e))
     if not items["train"]:
         raise BadInput(f"run '{run_id}' has no training samples with loss tokens")
     Dataset = _dataset_class()
