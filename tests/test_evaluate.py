@@ -194,3 +194,22 @@ def test_vllm_backend_reads_spec_decode_counters(trained, tiny_kimi, tmp_path):
     assert res["per_position_acceptance"][2] == 0.0
     assert res["per_position_acceptance"][0] == pytest.approx((fake.spec["per_pos"][0] - 3) / drafts)
     assert res["tokens_generated"] > 0
+
+
+def test_vllm_backend_starts_servers_for_draft_and_baseline(trained, monkeypatch):
+    import os
+    import sys
+    from pathlib import Path
+
+    from conftest import free_port
+
+    recipe, st, _draft = trained
+    monkeypatch.setenv("PATH", f"{Path(__file__).parent / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("EAGLE_JOBS_TEST_PYTHON", sys.executable)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))
+    monkeypatch.delenv("EAGLE_JOBS_VLLM_ENDPOINT", raising=False)
+    r = recipe.model_copy(update={"evaluate": recipe.evaluate.model_copy(update={
+        "backend": "vllm", "vllm": recipe.evaluate.vllm.model_copy(update={"port": free_port(), "health_timeout_s": 120})})})
+    rep = run_evaluate(r, st, "r", output=Path(st.root) / "vllm-eval")
+    assert rep["backend"] == "vllm" and rep["baseline_acceptance_length"] is not None
+    assert rep["acceptance_length"] >= 1.0 and len(rep["per_position_acceptance"]) == 2

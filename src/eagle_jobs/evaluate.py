@@ -326,8 +326,19 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
         res = evaluate_transformers(recipe, draft_dir, msgs, untrained=False)
         base = evaluate_transformers(recipe, draft_dir, msgs, untrained=True)
     else:
+        import os
+
         res = evaluate_vllm(recipe, draft_dir, msgs)
         base = None
+        # The baseline needs a second server with the untrained draft: possible when this stage
+        # starts vLLM itself, not when a sidecar serves the trained draft for the whole pod.
+        if not (recipe.evaluate.vllm.endpoint or os.environ.get("EAGLE_JOBS_VLLM_ENDPOINT")):
+            from eagle_jobs.verifier import resolve_path
+
+            untrained = work / "untrained-draft"
+            load_draft(draft_dir, resolve_path(recipe.verifier), untrained=True,
+                       seed=recipe.train.seed).to(torch.bfloat16).save_pretrained(untrained)
+            base = evaluate_vllm(recipe, untrained, msgs)
     report = {
         "acceptance_length": res["acceptance_length"], "per_position_acceptance": res["per_position_acceptance"],
         "num_speculative_tokens": k, "num_prompts": len(msgs), "tokens_generated": res["tokens_generated"],
@@ -335,7 +346,8 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
         "draft": store.url(Stage(store, run_id, "train").key("data/final")),
         "baseline_acceptance_length": base["acceptance_length"] if base else None,
         "baseline_per_position_acceptance": base["per_position_acceptance"] if base else None,
-        "baseline_note": "the same loop with an untrained draft (same shape, vocab mapping and verifier embeddings)",
+        "baseline_note": ("the same loop with an untrained draft (same shape, vocab mapping and verifier embeddings)"
+                          if base else "not measured: the pod's vLLM sidecar serves only the trained draft"),
         "teacher_forced_estimate": teacher_forced_estimate(metrics, k),
         "teacher_forced_note": "1 + sum of training's last validation full_acc_i: an estimate, not a measurement",
         "backend": recipe.evaluate.backend, "prompts": str(prompts) if prompts else "validation split",
