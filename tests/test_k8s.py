@@ -27,11 +27,12 @@ STAGES = ["capture", "extract", "train", "evaluate"]
 
 
 def _crd_path() -> Path:
-    for base in (REPO.parent / "shared" / "schemas", REPO / "tests" / "schemas"):
+    # vendored copy of ../shared/schemas (JobSet v0.12.0, kubernetes-sigs/jobset config/components/crd)
+    for base in (REPO / "tests" / "schemas", REPO.parent / "shared" / "schemas"):
         hits = sorted(base.glob("jobset.x-k8s.io_jobsets*.yaml"))
         if hits:
             return hits[-1]
-    raise AssertionError("JobSet CRD not found in ../shared/schemas")
+    raise AssertionError("JobSet CRD not found in tests/schemas")
 
 
 @pytest.fixture(scope="module")
