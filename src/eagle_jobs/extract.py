@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -342,8 +341,6 @@ def extraction_info(store: Store, run_id: str) -> dict:
     return {"manifests": manifests, "layer_ids": list(ids.pop()), "hidden_size": manifests[0]["hidden_size"],
             "storage": manifests[0]["storage"]}
 
-
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def read_sample(store: Store, run_id: str, manifest: dict, entry: dict, dtype=torch.bfloat16) -> dict:
