@@ -139,24 +139,19 @@ def _status_message(e) -> str:
 
 
 def _apply_one(core, apps, rbac, custom, kind, name, ns, d, kw) -> None:
-    if kind == "Namespace":
-        core.patch_namespace(name, d, **kw)
-    elif kind == "ServiceAccount":
-        core.patch_namespaced_service_account(name, ns, d, **kw)
-    elif kind == "ConfigMap":
-        core.patch_namespaced_config_map(name, ns, d, **kw)
-    elif kind == "Service":
-        core.patch_namespaced_service(name, ns, d, **kw)
-    elif kind == "Deployment":
-        apps.patch_namespaced_deployment(name, ns, d, **kw)
-    elif kind == "Role":
-        rbac.patch_namespaced_role(name, ns, d, **kw)
-    elif kind == "RoleBinding":
-        rbac.patch_namespaced_role_binding(name, ns, d, **kw)
-    elif kind == "JobSet":
-        custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name, d, **kw)
-    else:
+    appliers = {  # kind -> the typed client's patch call (content type: apply)
+        "Namespace": lambda: core.patch_namespace(name, d, **kw),
+        "ServiceAccount": lambda: core.patch_namespaced_service_account(name, ns, d, **kw),
+        "ConfigMap": lambda: core.patch_namespaced_config_map(name, ns, d, **kw),
+        "Service": lambda: core.patch_namespaced_service(name, ns, d, **kw),
+        "Deployment": lambda: apps.patch_namespaced_deployment(name, ns, d, **kw),
+        "Role": lambda: rbac.patch_namespaced_role(name, ns, d, **kw),
+        "RoleBinding": lambda: rbac.patch_namespaced_role_binding(name, ns, d, **kw),
+        "JobSet": lambda: custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name, d, **kw),
+    }
+    if kind not in appliers:
         raise BadInput(f"submit: don't know how to apply {kind}")
+    appliers[kind]()
 
 
 def submit(overlay: Path, run_id: str, recipe_path: Path | None = None, kubeconfig: str | None = None) -> dict:
