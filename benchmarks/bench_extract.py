@@ -24,7 +24,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from eagle_jobs.capture import read_rows
-    from eagle_jobs.extract import TransformersExtractor, batches_by_tokens, forward_batch, run_extract
+    from eagle_jobs.extract import batches_by_tokens, forward_batch, run_extract
     from eagle_jobs.store import Stage, Store
     from eagle_jobs.verifier import load_verifier
 
@@ -65,7 +65,6 @@ def main() -> None:
     print(f"extract / bare = {ratio:.3f}  (target >= 0.90)")
     print(f"bytes per token: {size / stored_tokens:,.1f} vs L*H*2 = {L * H * 2:,}  "
           f"(overhead {100 * (size - ideal) / ideal:.2f}%, target < 1%)")
-    del TransformersExtractor
 
 
 if __name__ == "__main__":

@@ -297,11 +297,8 @@ def _reused_rows(index, c: Conversation) -> list[dict] | None:
     rows = index.rows_for(c.sha)
     if rows is None:
         return None
-    out = []
-    for r in rows:  # the same conversation at another position of another prompt set
-        r = dict(r, prompt_index=c.index, split=c.split, row_id=f"{c.index:08d}-{r['turn']:02d}")
-        out.append(r)
-    return out
+    # the same conversation at another position of another prompt set
+    return [dict(r, prompt_index=c.index, split=c.split, row_id=f"{c.index:08d}-{r['turn']:02d}") for r in rows]
 
 
 def _capture_shards(recipe, stage: Stage, idx, n, todo, make_backend, totals: ShardStats, index) -> None:

@@ -323,6 +323,3 @@ def logs(api, namespace: str, run_id: str, stage: str | None = None, tail: int |
         out.append(f"==> {p.metadata.name} <==\n{text}")
     return "\n".join(out)
 
-
-class WatchFailed(EagleJobsError):
-    pass

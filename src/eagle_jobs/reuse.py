@@ -48,6 +48,14 @@ def other_runs(store: Store, run_id: str) -> list[str]:
     return sorted(runs)
 
 
+def matching_manifests(store: Store, run_id: str, stage: str, digest: str):
+    """(run, manifest) of every other run's committed shards made with the same settings."""
+    for run in other_runs(store, run_id):
+        for m in Stage(store, run, stage).manifests():
+            if m.get("settings_digest") == digest:
+                yield run, m
+
+
 @dataclass
 class CaptureIndex:
     """prompt sha256 -> (run, shard file, manifest file info) of committed rows with the same settings."""
@@ -58,14 +66,10 @@ class CaptureIndex:
     @classmethod
     def build(cls, store: Store, recipe: Recipe, run_id: str) -> "CaptureIndex":
         idx = cls()
-        want = capture_digest(recipe)
-        for run in other_runs(store, run_id):
-            for m in Stage(store, run, "capture").manifests():
-                if m.get("settings_digest") != want:
-                    continue
-                (fname, info), = m["files"].items()
-                for sha in m.get("prompt_sha256s", []):
-                    idx.where.setdefault(sha, (run, fname, info))
+        for run, m in matching_manifests(store, run_id, "capture", capture_digest(recipe)):
+            (fname, info), = m["files"].items()
+            for sha in m.get("prompt_sha256s", []):
+                idx.where.setdefault(sha, (run, fname, info))
         idx.store = store
         return idx
 
@@ -89,14 +93,10 @@ class HiddenStateIndex:
     @classmethod
     def build(cls, store: Store, recipe: Recipe, run_id: str) -> "HiddenStateIndex":
         idx = cls()
-        want = extract_digest(recipe)
-        for run in other_runs(store, run_id):
-            for m in Stage(store, run, "extract").manifests():
-                if m.get("settings_digest") != want:
-                    continue
-                for e in m["samples"]:
-                    if "ids_sha256" in e:
-                        idx.where.setdefault(e["ids_sha256"], (run, m, e))
+        for run, m in matching_manifests(store, run_id, "extract", extract_digest(recipe)):
+            for e in m["samples"]:
+                if "ids_sha256" in e:
+                    idx.where.setdefault(e["ids_sha256"], (run, m, e))
         return idx
 
 

@@ -53,8 +53,6 @@ def install() -> None:
     if _installed or has_accelerator():
         return
     _trainer.get_local_rank = lambda: "cpu"  # 1
-    orig_mark, orig_now = _trainer._StepTimer.mark, _trainer._StepTimer.now  # noqa: SLF001
-
     def mark(self, name: str) -> None:  # 2
         if self.enabled:
             import time
@@ -69,7 +67,6 @@ def install() -> None:
         return time.perf_counter()
 
     _trainer._StepTimer.mark, _trainer._StepTimer.now = mark, now  # noqa: SLF001
-    _trainer._StepTimer._orig = (orig_mark, orig_now)  # noqa: SLF001
     _ckpt.get_current_device = lambda: "cpu"  # 3
     _installed = True
 

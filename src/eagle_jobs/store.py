@@ -241,12 +241,6 @@ class Store:
     def get_json(self, key: str) -> Any:
         return json.loads(self.get(key))
 
-    def download(self, key: str, dest: Path) -> None:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(dest.name + ".part")
-        tmp.write_bytes(self.get(key))
-        os.replace(tmp, dest)
-
 
 class Stage:
     """The commit protocol of one stage of one run."""
