@@ -197,3 +197,68 @@ def test_cli_inspect_exit_codes(tiny_recipe, tmp_path):
     sd.pop("fc.weight")
     save_file(sd, str(final / "model.safetensors"))
     assert run_inspect(str(final)) == ExitCode.INCOMPATIBLE
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_two_ranks_on_cpu(tiny_recipe, tmp_path, fsdp):
+    """nproc_per_node 2: torchrun ranks (gloo on CPU) train one DDP/FSDP model and split the batches."""
+    from safetensors.torch import load
+
+    recipe = tiny_recipe(train={"nproc_per_node": 2, "total_seq_len": 64, "fsdp": fsdp})
+    st = _prepared(recipe, f"file://{tmp_path}/s")
+    rec = run_train(recipe, st, "r", work_dir=tmp_path / "w")
+    single = tiny_recipe(train={"total_seq_len": 64})
+    one = run_train(single, _prepared(single, st.uri, "one"), "one", work_dir=tmp_path / "w1")
+    assert (rec["world_size"], one["world_size"]) == (2, 1)
+    assert rec["steps_per_epoch"] < one["steps_per_epoch"]  # the distributed sampler split the batches
+    stage = Stage(st, "r", "train")
+    assert stage.is_complete()
+    assert [m["shard"] for m in stage.manifests()] == ["checkpoint-0000", "checkpoint-0001", "final"]
+    m = stage.manifest("final")
+    sd = load(stage.read("final/model.safetensors", m["files"]["final/model.safetensors"]))
+    assert sd["fc.weight"].dtype == torch.bfloat16 and torch.isfinite(sd["fc.weight"].float()).all()
+
+
+def _train_cli(recipe, st, tmp_path, **popen):
+    import subprocess
+    import sys
+
+    rfile = tmp_path / "recipe.yaml"
+    rfile.write_text(json.dumps(recipe.model_dump(mode="json")))
+    env = {**os.environ, "EAGLE_JOBS_WORK_DIR": str(tmp_path / "w-cli")}
+    return subprocess.Popen([sys.executable, "-m", "eagle_jobs.cli", "train", "--recipe", str(rfile), "--store",
+                             st.uri, "--run-id", "r"], env=env, **popen)
+
+
+def test_two_ranks_sigterm_commits_one_agreed_step_and_resumes(tiny_recipe, tmp_path):
+    """SIGTERM to the pod's main process only, as the kubelet sends it: both ranks stop after
+    the same step, rank 0 commits that checkpoint, the process exits 143, and a rerun resumes."""
+    import time
+
+    recipe = tiny_recipe(train={"nproc_per_node": 2, "total_seq_len": 64, "epochs": 6})
+    st = _prepared(recipe, f"file://{tmp_path}/s")
+    stage = Stage(st, "r", "train")
+    log = open(tmp_path / "train.log", "w")
+    proc = _train_cli(recipe, st, tmp_path, stdout=log, stderr=log)
+    deadline = time.monotonic() + 240
+    while stage.manifest("checkpoint-0000") is None and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=240) == ExitCode.INTERRUPTED, (tmp_path / "train.log").read_text()[-3000:]
+    newest = max(committed := [m for m in stage.manifests()], key=lambda m: (m["epoch"], m["local_step"]))
+    assert not stage.is_complete() and newest["epoch"] < 5 and newest["local_step"] > 0, committed
+    rec = run_train(recipe, st, "r", work_dir=tmp_path / "w2")  # a fresh pod
+    steps = [m["global_step"] for m in rec["metrics"] if "train" in m]
+    assert stage.is_complete() and min(steps) >= newest["epoch"] * rec["steps_per_epoch"] + newest["local_step"]
+
+
+def test_rank_failure_exit_code_reaches_the_pod(tiny_recipe, tmp_path):
+    """torchrun says 1 for any failed rank; the pod must still exit with the rank's documented code."""
+    import subprocess
+
+    recipe = tiny_recipe(train={"nproc_per_node": 2, "attention": "simple_flex_attention"})
+    st = _prepared(recipe, f"file://{tmp_path}/s")
+    proc = _train_cli(recipe, st, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == ExitCode.BAD_INPUT, out[-3000:]
+    assert "flex attention and the fused loss need a GPU" in out

@@ -210,6 +210,10 @@ def main() -> None:
         sys.exit(rc if isinstance(rc, int) else 0)
     except EagleJobsError as e:
         print(f"eagle-jobs: error: {e}", file=sys.stderr)
+        if "EAGLE_JOBS_RANK_EXITS" in os.environ:  # a training rank: tell the launcher (train.launch_ranks)
+            from eagle_jobs.train import record_rank_exit
+
+            record_rank_exit(e.code)
         sys.exit(int(e.code))
     except typer.Exit as e:
         sys.exit(e.exit_code)

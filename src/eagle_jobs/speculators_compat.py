@@ -12,13 +12,22 @@ exactly these points (each has a test in tests/test_speculators_compat.py):
 4. `Trainer.device_type` falls back to "cuda" for autocast: on CPU we feed fp32
    hidden states (upcast from the stored bf16) into the fp32-master draft and
    disable autocast, so no dtype mismatch can reach `fc`.
+7. `maybe_setup_distributed` raises "No accelerator found" under torchrun on a
+   CPU: there `setup_distributed` starts the gloo backend and fills the same
+   topology state, so the DDP/FSDP code paths (rank-0 saves, barriers, the
+   distributed sampler) run, and are tested, on CPU (see below).
 
 Plus two behaviours we add through a subclass, not a patch:
 5. after each checkpoint the directory is committed to the store (rank 0),
    optimizer and scheduler state converted from torch pickles to
    safetensors + JSON so nothing read back from a bucket is ever unpickled;
 6. SIGTERM (pod eviction) saves a mid-epoch checkpoint as `<epoch>/` with its
-   step, which speculators' own resume logic picks up.
+   step, which speculators' own resume logic picks up. speculators raises at the
+   signal, wherever each rank happens to be; with several ranks one can sit in
+   an all-reduce while another enters the save's barrier. So the signal only sets
+   a flag, and at the end of each optimizer step the ranks agree (an all-reduce
+   of the flag) to stop together, at the same step; speculators' own handler
+   then saves. A second signal more than FORCE_AFTER_S later stops at once.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import os
 import warnings
 from pathlib import Path
 
@@ -33,6 +43,7 @@ import torch
 
 from speculators.train import checkpointer as _ckpt
 from speculators.train import trainer as _trainer
+from speculators.train.graceful_shutdown import TrainingInterruptedError, with_graceful_shutdown
 
 PINNED = "0.9.0"
 INSTALLED = importlib.metadata.version("speculators")
@@ -69,6 +80,22 @@ def install() -> None:
     _trainer._StepTimer.mark, _trainer._StepTimer.now = mark, now  # noqa: SLF001
     _ckpt.get_current_device = lambda: "cpu"  # 3
     _installed = True
+
+
+def setup_distributed() -> None:
+    """speculators' `maybe_setup_distributed`, with gloo when there is no accelerator (7)."""
+    from speculators.train import distributed as _dist
+
+    if has_accelerator() or "LOCAL_RANK" not in os.environ:
+        _dist.maybe_setup_distributed()
+        return
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    # the same module state maybe_setup_distributed fills, read by speculators' getters
+    _dist._local_rank, _dist._is_distributed = int(os.environ["LOCAL_RANK"]), True  # noqa: SLF001
+    _dist._rank, _dist._world_size = dist.get_rank(), dist.get_world_size()  # noqa: SLF001
+    _dist._init_sp_process_groups(_dist._rank, _dist._world_size, 1)  # noqa: SLF001
 
 
 # -- state conversion: torch pickles <-> safetensors + JSON ---------------------------
@@ -150,6 +177,9 @@ class MetricsRecorder(logging.Handler):
             self.records.append(json.loads(json.dumps(record.msg, default=float)))
 
 
+FORCE_AFTER_S = 10.0  # repeats sooner are torchrun re-sending the same request
+
+
 class StoreTrainer(_trainer.Trainer):
     """speculators' Trainer + commit-to-store after each checkpoint + SIGTERM mid-epoch save."""
 
@@ -157,6 +187,7 @@ class StoreTrainer(_trainer.Trainer):
         self._on_checkpoint = on_checkpoint
         self._cur_epoch, self._cur_step = 0, 0
         self.interrupted = False
+        self._signalled_at: float | None = None
         super().__init__(*args, **kwargs)
         if not has_accelerator():
             self.device_type = "cpu"  # 4: autocast(cpu, fp32) is disabled by torch, silently below
@@ -169,11 +200,45 @@ class StoreTrainer(_trainer.Trainer):
             self._cur_step += 1
             if step_callback:
                 step_callback()
+            if self._stop_agreed():  # 6
+                raise TrainingInterruptedError(f"signal, stopping after step {self._cur_step}")
 
         with warnings.catch_warnings():
             if not has_accelerator():  # 4: the fp32 autocast request is meant to be a no-op
                 warnings.filterwarnings("ignore", message=".*[Aa]utocast.*")
             return super().train_epoch(epoch, step_callback=counted)
+
+    @with_graceful_shutdown()
+    def run_training(self):
+        """speculators' loop under our handler: a signal is a request, honoured at a step boundary (6)."""
+        import signal
+        import time
+
+        def request(signum, _frame):
+            now = time.monotonic()
+            if self._signalled_at is not None and now - self._signalled_at > FORCE_AFTER_S:
+                raise TrainingInterruptedError(signal.Signals(signum).name)  # forced: stop where we are
+            if self._signalled_at is None:
+                self._signalled_at = now
+                logging.getLogger("speculators").warning(
+                    f"{signal.Signals(signum).name}: stopping at the end of this step to save a checkpoint")
+
+        outer = {s: signal.signal(s, request) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return _trainer.Trainer.run_training.__wrapped__(self)  # the loop itself, without its own handler
+        finally:
+            for s, h in outer.items():
+                signal.signal(s, h)
+
+    def _stop_agreed(self) -> bool:
+        asked = self._signalled_at is not None
+        if not self.is_distributed:
+            return asked
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if asked else 0.0], device=self.local_rank)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def maybe_save_checkpoint(self, epoch, local_step: int = 0):
         if epoch == "interrupted":  # 6

@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import threading
 import warnings
@@ -152,19 +154,79 @@ def commit_checkpoint(stage: Stage, local: Path, epoch: int, local_step: int, ex
 
 
 # -- the entry ------------------------------------------------------------------------
-def maybe_relaunch_under_torchrun(recipe: Recipe) -> None:
-    """`eagle-jobs train` with nproc_per_node > 1 re-executes itself under torchrun."""
+# torchrun's own grace for its ranks after it is signalled (its default is 30 s): the
+# SIGTERM checkpoint save and its upload must fit, and all of it inside the pod's
+# terminationGracePeriodSeconds (120 s in k8s/base/pipeline.yaml).
+RANK_SHUTDOWN_TIMEOUT_S = 100
+
+
+def launch_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | None, work: Path) -> dict | None:
+    """With a world size above one, train as torchrun's ranks in child processes; None otherwise.
+
+    The ranks get exactly this recipe (as JSON in the work dir) and `eagle-jobs
+    train`, whatever command started us: re-executing our own command line would
+    make `eagle-jobs run` capture and extract again in every rank. SIGTERM and
+    SIGINT are forwarded to torchrun. Each rank leaves the exit code of a named
+    failure in a file, so we exit with it (torchrun itself says 1 for any failure).
+    """
     t = recipe.train
     nnodes = int(os.environ.get("EAGLE_JOBS_NNODES") or t.nnodes)  # full-multinode overlay sets it
-    if t.nproc_per_node * nnodes <= 1 or "LOCAL_RANK" in os.environ or not torch.cuda.is_available():
-        return
-    args = ["--nproc_per_node", str(t.nproc_per_node)]
+    if t.nproc_per_node * nnodes <= 1 or "LOCAL_RANK" in os.environ:
+        return None
+    if torch.cuda.is_available() and torch.cuda.device_count() < t.nproc_per_node:
+        raise BadInput(f"train.nproc_per_node is {t.nproc_per_node} but this node has {torch.cuda.device_count()} "
+                       f"GPU(s): lower it in the recipe or request {t.nproc_per_node} GPUs")
+    work.mkdir(parents=True, exist_ok=True)
+    recipe_file = work / "recipe.json"
+    recipe_file.write_text(json.dumps(recipe.model_dump(mode="json")))
+    exits = work / "rank-exits"
+    shutil.rmtree(exits, ignore_errors=True)
+    exits.mkdir()
+    args = ["--nproc_per_node", str(t.nproc_per_node), "--shutdown_timeout", str(RANK_SHUTDOWN_TIMEOUT_S)]
     if nnodes > 1:
         args += ["--nnodes", str(nnodes), "--node_rank", os.environ.get("JOB_COMPLETION_INDEX", "0"),
                  "--rdzv_backend", "c10d", "--rdzv_endpoint", os.environ["EAGLE_JOBS_RDZV_ENDPOINT"]]
     else:
         args.insert(0, "--standalone")
-    os.execvp(sys.executable, [sys.executable, "-m", "torch.distributed.run", *args, "-m", "eagle_jobs.cli", *sys.argv[1:]])
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "eagle_jobs.cli", "train",
+           "--recipe", str(recipe_file), "--store", store.uri, "--run-id", run_id]
+    if max_steps:
+        cmd += ["--max-steps", str(max_steps)]
+    console.print(f"  {t.nproc_per_node * nnodes} ranks ({nnodes} node(s)): {' '.join(cmd[1:5])} ...")
+    env = {**os.environ, "EAGLE_JOBS_WORK_DIR": str(work.parent), "EAGLE_JOBS_RANK_EXITS": str(exits)}
+    proc = subprocess.Popen(cmd, env=env)
+    signalled: list[int] = []
+
+    def forward(signum, _frame):
+        signalled.append(signum)
+        proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    stage = Stage(store, run_id, STAGE)
+    final = stage.manifest("final") if rc == 0 else None
+    if final is not None:  # the record run_train returns, as rank 0 committed it
+        read = {k: json.loads(stage.read(f"final/{k}.json", final["files"][f"final/{k}.json"]))
+                for k in ("train_config", "metrics")}
+        return {**read["train_config"], "metrics": read["metrics"]}
+    codes = [int(p.read_text()) for p in sorted(exits.iterdir(), key=lambda p: int(p.name))]
+    if signalled:
+        raise EagleJobsError("train: interrupted by a signal; the ranks committed their checkpoint, rerun to resume",
+                             ExitCode.INTERRUPTED)
+    code = ExitCode(codes[0]) if codes else ExitCode.ERROR
+    raise EagleJobsError(f"train: torchrun exited {rc}; first failing rank's exit code {int(code)} "
+                         f"(its error is in the log above)", code)
+
+
+def record_rank_exit(code: int) -> None:
+    """Under `launch_ranks`: leave this rank's exit code for the launcher (see there)."""
+    d = os.environ.get("EAGLE_JOBS_RANK_EXITS")
+    if d and "RANK" in os.environ:
+        (Path(d) / os.environ["RANK"]).write_text(str(int(code)))
 
 
 def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None = None,
@@ -182,18 +244,21 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     if info["hidden_size"] != shape.hidden_size:
         raise BadInput(f"extraction hidden size {info['hidden_size']} != draft hidden size {shape.hidden_size}")
     console.print(f"[bold]train[/] draft shape: {shape.describe()}")
-    maybe_relaunch_under_torchrun(recipe)
+    work = Path(work_dir or os.environ.get("EAGLE_JOBS_WORK_DIR") or Path.home() / ".cache/eagle-jobs/work") / run_id
+    launched = launch_ranks(recipe, store, run_id, max_steps, work)
+    if launched is not None:
+        return launched
 
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.dataloader import _setup_dataloader
-    from speculators.train.distributed import (get_local_rank, get_rank, is_distributed, maybe_destroy_distributed,
-                                               maybe_setup_distributed)
+    from speculators.train.distributed import (get_local_rank, get_rank, get_world_size, is_distributed,
+                                               maybe_destroy_distributed)
     from speculators.train.trainer import TrainerConfig
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     compat.install()
-    maybe_setup_distributed()
+    compat.setup_distributed()
     gpu = compat.has_accelerator()
     attn = recipe.train.attention if recipe.train.attention != "auto" else ("simple_flex_attention" if gpu else "sdpa")
     loss_impl = recipe.train.loss_implementation
@@ -213,7 +278,6 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
                   f"covering {coverage:.1%} of {sum(freq.values()):,} training target tokens")
 
     # 3. data: stage shards ahead to bounded local disk; one dataset per split
-    work = Path(work_dir or os.environ.get("EAGLE_JOBS_WORK_DIR") or Path.home() / ".cache/eagle-jobs/work") / run_id
     stager = ShardStager(store, run_id, info["manifests"], work / "stage", recipe.train.local_stage_bytes)
     if get_local_rank() == 0:  # one stager per node; the other ranks read what it staged
         stager.start()
@@ -281,7 +345,7 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     record = {
         "run_id": run_id, "verifier": recipe.verifier.model, "samples": split,
         "epochs": recipe.train.epochs, "lr": recipe.train.lr, "scheduler": recipe.train.scheduler,
-        "optimizer": recipe.train.optimizer, "steps_per_epoch": steps_per_epoch,
+        "optimizer": recipe.train.optimizer, "world_size": get_world_size(), "steps_per_epoch": steps_per_epoch,
         "total_steps": max_steps or steps_per_epoch * recipe.train.epochs,
         "parameters": {"total": total, "trainable": trainable}, "draft_shape": shape.describe(),
         "aux_layer_ids": aux, "attention": attn, "loss_implementation": loss_impl,
