@@ -93,3 +93,60 @@ def test_adaptation_6_interrupt_saves_current_epoch_and_step():
     finally:
         tr.Trainer.maybe_save_checkpoint = orig
     assert t.interrupted and saved == [("save", 2, 5), ("commit", 2, 5)]
+
+
+def test_adaptation_6_signal_is_a_request_honoured_at_the_step_boundary():
+    import os
+    import signal
+
+    from speculators.train.graceful_shutdown import TrainingInterruptedError
+
+    class T(compat.StoreTrainer):
+        def __init__(self):
+            self._signalled_at, self.is_distributed, self.steps = None, False, 0
+
+    import speculators.train.trainer as tr
+
+    def loop(self):  # stands in for speculators' epoch loop: the signal arrives mid-step
+        for step in range(1, 10):
+            if step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGTERM)  # torchrun's re-send: the same request
+            self.steps = step  # the rest of the step still runs
+            if self._stop_agreed():
+                raise TrainingInterruptedError("stop")
+
+    orig = tr.Trainer.run_training.__wrapped__
+    tr.Trainer.run_training.__wrapped__ = loop
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        t = T()
+        t.maybe_save_checkpoint = lambda label: setattr(t, "saved_after", (label, t.steps))
+        t.run_training()  # speculators' wrapper catches the stop and saves
+    finally:
+        tr.Trainer.run_training.__wrapped__ = orig
+    assert t.saved_after == ("interrupted", 3)  # stopped after the step, not inside it
+    assert signal.getsignal(signal.SIGTERM) == before  # no handler outlives the call
+
+
+def test_adaptation_7_gloo_distributed_without_accelerator(monkeypatch):
+    import socket
+
+    import torch.distributed as dist
+    from speculators.train import distributed as sd
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    compat.setup_distributed()
+    try:
+        assert dist.get_backend() == "gloo"
+        assert (sd.is_distributed(), sd.get_rank(), sd.get_world_size(), sd.get_dp_size()) == (True, 0, 1, 1)
+        flag = torch.ones(1)
+        dist.all_reduce(flag)  # a collective works on CPU tensors
+    finally:
+        sd.maybe_destroy_distributed()
+    assert not sd.is_distributed()
