@@ -10,9 +10,15 @@ It writes a stand-in verifier directory holding only what the draft loads from a
 verifier (embed_tokens, lm_head, final norm; a kimi_k25 config with a
 deepseek_v3 text_config, weights under language_model.*), synthetic bf16 hidden
 -state shards in our store format, and trains `--steps` steps. Prints tokens/s
-(speculators' own step profile) and peak GPU memory. Never part of `make test`.
+(speculators' own step profile) and peak GPU memory, then runs `inspect` on the
+exported draft (what vLLM's EAGLE-3 loader needs).
 
     python benchmarks/gpu_check.py --steps 12 --seq-len 8192 --out $OUT
+
+`--shape tiny` runs the same script at a small shape on CPU (sdpa, eager loss):
+tests/test_gpu_check.py does, so the script cannot rot between GPU sessions.
+benchmarks/gpu_bundle.sh prepares what the device lacks; its header has the
+one command for the device tool.
 """
 
 from __future__ import annotations
@@ -24,6 +30,13 @@ import time
 from pathlib import Path
 
 import torch
+
+
+# The Kimi-K2.5 draft shape (AQ-MedAI reference) and a small one for CPU runs of this script.
+SHAPES = {
+    "kimi": {"hidden": 7168, "heads": 64, "head_dim": 128, "intermediate": 18432, "vocab": 163840, "draft_vocab": 32000},
+    "tiny": {"hidden": 256, "heads": 4, "head_dim": 64, "intermediate": 512, "vocab": 8192, "draft_vocab": 1024},
+}
 
 
 def fake_kimi_verifier(d: Path, hidden=7168, vocab=163840, layers=61) -> Path:
@@ -51,13 +64,15 @@ def synthetic_run(store, run_id: str, samples: int, seq: int, hidden: int, vocab
 
     cap, ext = Stage(store, run_id, "capture"), Stage(store, run_id, "extract")
     rows, g = [], torch.Generator().manual_seed(1)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gd = torch.Generator(device=dev).manual_seed(2)
     for i in range(samples):
-        ids = torch.randint(0, 32000, (seq,), generator=g)
+        ids = torch.randint(0, min(vocab, 32000), (seq,), generator=g)
         mask = torch.ones(seq, dtype=torch.long)
         mask[: seq // 8] = 0
         rows.append({"row_id": f"{i:08d}-00", "prompt_index": i, "split": "validation" if i == 0 else "train",
                      "input_ids": ids.tolist(), "loss_mask": mask.tolist(), "turn": 0})
-        hs = (torch.randn(seq, 4, hidden, generator=g)).bfloat16()
+        hs = torch.randn(seq, 4, hidden, device=dev, generator=gd).bfloat16().cpu()  # on the GPU: seconds, not minutes
         blob, index = encode_shard([Sample(rows[-1]["row_id"], hs, ids, mask)], [2, 30, 58, 61], "bfloat16")
         for e in index:
             e.update(split=rows[-1]["split"], prompt_index=i, loss_tokens=int(mask.sum()))
@@ -68,47 +83,59 @@ def synthetic_run(store, run_id: str, samples: int, seq: int, hidden: int, vocab
     ext.complete({})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--samples", type=int, default=14)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="kimi")
     ap.add_argument("--out", type=Path, default=Path("/tmp/gpu-check"))
-    args = ap.parse_args()
-    assert torch.cuda.is_available(), "needs a GPU"
+    args = ap.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    assert gpu or args.shape == "tiny", "the Kimi shape needs a GPU; use --shape tiny on CPU"
 
+    from eagle_jobs.errors import ExitCode
+    from eagle_jobs.inspect import run_inspect
     from eagle_jobs.recipe import Recipe
     from eagle_jobs.store import Store
-    from eagle_jobs.train import run_train
+    from eagle_jobs.train import download_final, run_train
 
-    work = args.out
-    verifier = fake_kimi_verifier(work / "verifier")
+    sh, work = SHAPES[args.shape], args.out
+    verifier = fake_kimi_verifier(work / "verifier", sh["hidden"], sh["vocab"])
     store = Store.open(f"file://{work}/store")
-    synthetic_run(store, "gpu", args.samples, args.seq_len, 7168, 163840)
+    synthetic_run(store, "gpu", args.samples, args.seq_len, sh["hidden"], sh["vocab"])
     recipe = Recipe.model_validate({
         "name": "gpu-check", "verifier": {"model": str(verifier), "dtype": "bfloat16"},
         "prompts": {"source": "bundled://demo"}, "aux_layer_ids": [2, 30, 58],
-        "draft": {"hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 128,
-                  "intermediate_size": 18432, "draft_vocab_size": 32000},
-        "train": {"epochs": 1, "lr": 3e-5, "total_seq_len": args.seq_len, "ttt_steps": 3},
+        "draft": {"hidden_size": sh["hidden"], "num_attention_heads": sh["heads"], "num_key_value_heads": sh["heads"],
+                  "head_dim": sh["head_dim"], "intermediate_size": sh["intermediate"],
+                  "draft_vocab_size": sh["draft_vocab"]},
+        "train": {"epochs": 1, "lr": 3e-5, "total_seq_len": args.seq_len, "ttt_steps": 3, "log_freq": 1},
     })
-    torch.cuda.reset_peak_memory_stats()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
     t = time.time()
     rec = run_train(recipe, store, "gpu", max_steps=args.steps, work_dir=work / "w")
     wall = time.time() - t
     prof = [m["profile"] for m in rec["metrics"] if m.get("profile")]
     steady = prof[3:] or prof
+    losses = [m["train"]["loss_0"] for m in rec["metrics"] if "loss_0" in m.get("train", {})]
+    final = download_final(store, "gpu", work / "final")
     result = {
-        "attention": rec["attention"], "loss": rec["loss_implementation"], "hidden_states_dtype": rec["hidden_states_dtype"],
-        "parameters": rec["parameters"], "steps": len(prof), "seq_len": args.seq_len,
-        "median_step_ms": statistics.median(p["step_ms"] for p in steady),
+        "shape": args.shape, "attention": rec["attention"], "loss": rec["loss_implementation"],
+        "hidden_states_dtype": rec["hidden_states_dtype"], "parameters": rec["parameters"], "steps": len(prof),
+        "seq_len": args.seq_len, "median_step_ms": statistics.median(p["step_ms"] for p in steady),
         "tokens_per_s": statistics.median(p["tokens_per_s"] for p in steady),
+        "fetch_frac": statistics.median(p["fetch_frac"] for p in steady),  # data loading's share of a step
         "first_step_ms (compile)": prof[0]["step_ms"] if prof else None,
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "wall_s": wall,
-        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "loss_first_last": [losses[0], losses[-1]] if losses else None,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None, "wall_s": wall,
+        "inspect_ok": run_inspect(str(final)) == ExitCode.OK,
+        "device": torch.cuda.get_device_name(0) if gpu else "cpu", "torch": torch.__version__,
     }
     print(json.dumps(result, indent=1))
     (work / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 if __name__ == "__main__":

@@ -1,0 +1,27 @@
+"""benchmarks/gpu_check.py at its tiny shape on CPU: the script a GPU session runs must not rot."""
+
+import importlib.util
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_script_runs_at_tiny_shape_on_cpu(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks/gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    r = gpu_check.main(["--shape", "tiny", "--steps", "4", "--seq-len", "256", "--samples", "6",
+                        "--out", str(tmp_path)])
+    assert (r["attention"], r["loss"], r["device"]) == ("sdpa", "eager", "cpu")
+    assert r["steps"] == 4 and r["tokens_per_s"] > 0 and r["inspect_ok"]
+    assert (tmp_path / "gpu_check.json").is_file()
+
+
+def test_gpu_bundle_pins_what_make_venv_installs():
+    """benchmarks/gpu-requirements.txt carries our versions to the device, not some other ones."""
+    import importlib.metadata
+
+    pins = [line.split("==") for line in (REPO / "benchmarks/gpu-requirements.txt").read_text().splitlines()
+            if line and not line.startswith("#")]
+    assert len(pins) >= 10 and ["speculators", "0.9.0"] in pins
+    assert {name: importlib.metadata.version(name) for name, _ in pins} == dict(pins)
