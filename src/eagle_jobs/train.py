@@ -194,16 +194,19 @@ def launch_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | Non
         cmd += ["--max-steps", str(max_steps)]
     console.print(f"  {t.nproc_per_node * nnodes} ranks ({nnodes} node(s)): {' '.join(cmd[1:5])} ...")
     env = {**os.environ, "EAGLE_JOBS_WORK_DIR": str(work.parent), "EAGLE_JOBS_RANK_EXITS": str(exits)}
-    proc = subprocess.Popen(cmd, env=env)
     signalled: list[int] = []
+    proc: subprocess.Popen | None = None
 
     def forward(signum, _frame):
         signalled.append(signum)
-        proc.send_signal(signum)
+        if proc is not None:
+            proc.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}  # before the start: no gap
     try:
-        rc = proc.wait()
+        if not signalled:
+            proc = subprocess.Popen(cmd, env=env)
+        rc = proc.wait() if proc is not None else 128 + signal.SIGTERM
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
