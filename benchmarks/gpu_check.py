@@ -15,6 +15,8 @@ exported draft (what vLLM's EAGLE-3 loader needs).
 
     python benchmarks/gpu_check.py --steps 12 --seq-len 8192 --out $OUT
 
+`--ranks 1 [--fsdp]` trains through torchrun as a multi-GPU pod does (NCCL,
+DDP/FSDP wrapping, the per-step stop agreement), at the world size one GPU allows.
 `--shape tiny` runs the same script at a small shape on CPU (sdpa, eager loss):
 tests/test_gpu_check.py does, so the script cannot rot between GPU sessions.
 benchmarks/gpu_bundle.sh prepares what the device lacks; its header has the
@@ -50,9 +52,14 @@ def fake_kimi_verifier(d: Path, hidden=7168, vocab=163840, layers=61) -> Path:
             "tie_word_embeddings": False}
     (d / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
                                                "text_config": text}))
-    g = torch.Generator().manual_seed(0)
-    save_file({"language_model.model.embed_tokens.weight": (torch.randn(vocab, hidden, generator=g) * 0.02).bfloat16(),
-               "language_model.lm_head.weight": (torch.randn(vocab, hidden, generator=g) * 0.02).bfloat16(),
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # 2 x 1.2G values: seconds on the GPU
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def weight():
+        return (torch.randn(vocab, hidden, device=dev, generator=g) * 0.02).bfloat16().cpu()
+
+    save_file({"language_model.model.embed_tokens.weight": weight(),
+               "language_model.lm_head.weight": weight(),
                "language_model.model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)},
               str(d / "model.safetensors"))
     return d
@@ -90,6 +97,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--samples", type=int, default=14)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="kimi")
     ap.add_argument("--out", type=Path, default=Path("/tmp/gpu-check"))
+    ap.add_argument("--ranks", type=int, default=0,
+                    help="train as this many torchrun ranks, as a pod with several GPUs does (DDP over NCCL on GPUs, "
+                         "gloo on CPU); 0: in this process, with peak memory")
+    ap.add_argument("--fsdp", action="store_true", help="with --ranks: FSDP instead of DDP")
     args = ap.parse_args(argv)
     gpu = torch.cuda.is_available()
     assert gpu or args.shape == "tiny", "the Kimi shape needs a GPU; use --shape tiny on CPU"
@@ -98,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     from eagle_jobs.inspect import run_inspect
     from eagle_jobs.recipe import Recipe
     from eagle_jobs.store import Store
-    from eagle_jobs.train import download_final, run_train
+    from eagle_jobs.train import download_final, run_ranks, run_train
 
     sh, work = SHAPES[args.shape], args.out
     verifier = fake_kimi_verifier(work / "verifier", sh["hidden"], sh["vocab"])
@@ -110,31 +121,37 @@ def main(argv: list[str] | None = None) -> dict:
         "draft": {"hidden_size": sh["hidden"], "num_attention_heads": sh["heads"], "num_key_value_heads": sh["heads"],
                   "head_dim": sh["head_dim"], "intermediate_size": sh["intermediate"],
                   "draft_vocab_size": sh["draft_vocab"]},
-        "train": {"epochs": 1, "lr": 3e-5, "total_seq_len": args.seq_len, "ttt_steps": 3, "log_freq": 1},
+        "train": {"epochs": 1, "lr": 3e-5, "total_seq_len": args.seq_len, "ttt_steps": 3, "log_freq": 1,
+                  "fsdp": args.fsdp},
     })
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     t = time.time()
-    rec = run_train(recipe, store, "gpu", max_steps=args.steps, work_dir=work / "w")
+    if args.ranks:
+        rec = run_ranks(recipe, store, "gpu", args.steps, work / "w" / "gpu", args.ranks)
+    else:
+        rec = run_train(recipe, store, "gpu", max_steps=args.steps, work_dir=work / "w")
     wall = time.time() - t
     prof = [m["profile"] for m in rec["metrics"] if m.get("profile")]
     steady = prof[3:] or prof
     losses = [m["train"]["loss_0"] for m in rec["metrics"] if "loss_0" in m.get("train", {})]
     final = download_final(store, "gpu", work / "final")
     result = {
-        "shape": args.shape, "attention": rec["attention"], "loss": rec["loss_implementation"],
+        "shape": args.shape, "world_size": rec["world_size"], "fsdp": args.fsdp, "attention": rec["attention"], "loss": rec["loss_implementation"],
         "hidden_states_dtype": rec["hidden_states_dtype"], "parameters": rec["parameters"], "steps": len(prof),
         "seq_len": args.seq_len, "median_step_ms": statistics.median(p["step_ms"] for p in steady),
         "tokens_per_s": statistics.median(p["tokens_per_s"] for p in steady),
         "fetch_frac": statistics.median(p["fetch_frac"] for p in steady),  # data loading's share of a step
         "first_step_ms (compile)": prof[0]["step_ms"] if prof else None,
         "loss_first_last": [losses[0], losses[-1]] if losses else None,
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None, "wall_s": wall,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu and not args.ranks else None,
+        "wall_s": wall,
         "inspect_ok": run_inspect(str(final)) == ExitCode.OK,
         "device": torch.cuda.get_device_name(0) if gpu else "cpu", "torch": torch.__version__,
     }
     print(json.dumps(result, indent=1))
-    (work / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    name = f"gpu_check-ranks{args.ranks}{'-fsdp' if args.fsdp else ''}.json" if args.ranks else "gpu_check.json"
+    (work / name).write_text(json.dumps(result, indent=1))
     return result
 
 

@@ -6,15 +6,26 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_check_script_runs_at_tiny_shape_on_cpu(tmp_path):
+def _gpu_check():
     spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks/gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
-    r = gpu_check.main(["--shape", "tiny", "--steps", "4", "--seq-len", "256", "--samples", "6",
-                        "--out", str(tmp_path)])
-    assert (r["attention"], r["loss"], r["device"]) == ("sdpa", "eager", "cpu")
+    return gpu_check
+
+
+def test_gpu_check_script_runs_at_tiny_shape_on_cpu(tmp_path):
+    r = _gpu_check().main(["--shape", "tiny", "--steps", "4", "--seq-len", "256", "--samples", "6",
+                           "--out", str(tmp_path)])
+    assert (r["attention"], r["loss"], r["device"], r["world_size"]) == ("sdpa", "eager", "cpu", 1)
     assert r["steps"] == 4 and r["tokens_per_s"] > 0 and r["inspect_ok"]
     assert (tmp_path / "gpu_check.json").is_file()
+
+
+def test_gpu_check_through_torchrun_on_cpu(tmp_path):
+    r = _gpu_check().main(["--shape", "tiny", "--ranks", "1", "--fsdp", "--steps", "3", "--seq-len", "256",
+                           "--samples", "5", "--out", str(tmp_path)])
+    assert r["world_size"] == 1 and r["fsdp"] and r["steps"] == 3 and r["inspect_ok"]
+    assert (tmp_path / "gpu_check-ranks1-fsdp.json").is_file()
 
 
 def test_gpu_bundle_pins_what_make_venv_installs():

@@ -176,13 +176,19 @@ def launch_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | Non
     if torch.cuda.is_available() and torch.cuda.device_count() < t.nproc_per_node:
         raise BadInput(f"train.nproc_per_node is {t.nproc_per_node} but this node has {torch.cuda.device_count()} "
                        f"GPU(s): lower it in the recipe or request {t.nproc_per_node} GPUs")
+    return run_ranks(recipe, store, run_id, max_steps, work, t.nproc_per_node, nnodes)
+
+
+def run_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | None, work: Path,
+              nproc_per_node: int, nnodes: int = 1) -> dict:
+    """torchrun with `eagle-jobs train` as each rank (see launch_ranks); the committed record."""
     work.mkdir(parents=True, exist_ok=True)
     recipe_file = work / "recipe.json"
     recipe_file.write_text(json.dumps(recipe.model_dump(mode="json")))
     exits = work / "rank-exits"
     shutil.rmtree(exits, ignore_errors=True)
     exits.mkdir()
-    args = ["--nproc_per_node", str(t.nproc_per_node), "--shutdown_timeout", str(RANK_SHUTDOWN_TIMEOUT_S)]
+    args = ["--nproc_per_node", str(nproc_per_node), "--shutdown_timeout", str(RANK_SHUTDOWN_TIMEOUT_S)]
     if nnodes > 1:
         args += ["--nnodes", str(nnodes), "--node_rank", os.environ.get("JOB_COMPLETION_INDEX", "0"),
                  "--rdzv_backend", "c10d", "--rdzv_endpoint", os.environ["EAGLE_JOBS_RDZV_ENDPOINT"]]
@@ -192,7 +198,7 @@ def launch_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | Non
            "--recipe", str(recipe_file), "--store", store.uri, "--run-id", run_id]
     if max_steps:
         cmd += ["--max-steps", str(max_steps)]
-    console.print(f"  {t.nproc_per_node * nnodes} ranks ({nnodes} node(s)): {' '.join(cmd[1:5])} ...")
+    console.print(f"  {nproc_per_node * nnodes} rank(s) on {nnodes} node(s): {' '.join(cmd[1:5])} ...")
     env = {**os.environ, "EAGLE_JOBS_WORK_DIR": str(work.parent), "EAGLE_JOBS_RANK_EXITS": str(exits)}
     signalled: list[int] = []
     proc: subprocess.Popen | None = None
