@@ -245,7 +245,10 @@ def test_two_ranks_sigterm_commits_one_agreed_step_and_resumes(tiny_recipe, tmp_
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=240) == ExitCode.INTERRUPTED, (tmp_path / "train.log").read_text()[-3000:]
-    newest = max(committed := [m for m in stage.manifests()], key=lambda m: (m["epoch"], m["local_step"]))
+    exits = {p.name: p.read_text() for p in (tmp_path / "w-cli/r/rank-exits").iterdir()}
+    assert exits == {"0": "143", "1": "143"}  # both ranks stopped and saved, neither was killed in a collective
+    committed = stage.manifests()
+    newest = max(committed, key=lambda m: (m["epoch"], m["local_step"]))
     assert not stage.is_complete() and newest["epoch"] < 5 and newest["local_step"] > 0, committed
     rec = run_train(recipe, st, "r", work_dir=tmp_path / "w2")  # a fresh pod
     steps = [m["global_step"] for m in rec["metrics"] if "train" in m]

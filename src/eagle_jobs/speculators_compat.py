@@ -36,6 +36,8 @@ import importlib.metadata
 import json
 import logging
 import os
+import signal
+import time
 import warnings
 from pathlib import Path
 
@@ -64,18 +66,13 @@ def install() -> None:
     if _installed or has_accelerator():
         return
     _trainer.get_local_rank = lambda: "cpu"  # 1
+
     def mark(self, name: str) -> None:  # 2
         if self.enabled:
-            import time
-
             self._marks[name] = time.perf_counter()  # noqa: SLF001
 
     def now(self):
-        if not self.enabled:
-            return None
-        import time
-
-        return time.perf_counter()
+        return time.perf_counter() if self.enabled else None
 
     _trainer._StepTimer.mark, _trainer._StepTimer.now = mark, now  # noqa: SLF001
     _ckpt.get_current_device = lambda: "cpu"  # 3
@@ -211,8 +208,6 @@ class StoreTrainer(_trainer.Trainer):
     @with_graceful_shutdown()
     def run_training(self):
         """speculators' loop under our handler: a signal is a request, honoured at a step boundary (6)."""
-        import signal
-        import time
 
         def request(signum, _frame):
             now = time.monotonic()
