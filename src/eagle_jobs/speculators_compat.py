@@ -220,7 +220,10 @@ class StoreTrainer(_trainer.Trainer):
 
         outer = {s: signal.signal(s, request) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            return _trainer.Trainer.run_training.__wrapped__(self)  # the loop itself, without its own handler
+            with warnings.catch_warnings():
+                if not has_accelerator():  # 4: speculators' loaders pin memory; torch says why not, every epoch
+                    warnings.filterwarnings("ignore", message=".*pin_memory.*")
+                return _trainer.Trainer.run_training.__wrapped__(self)  # the loop itself, without its own handler
         finally:
             for s, h in outer.items():
                 signal.signal(s, h)
