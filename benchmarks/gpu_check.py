@@ -34,6 +34,9 @@ from pathlib import Path
 import torch
 
 
+# Random weights and hidden states are drawn here: on the GPU, 2 x 1.2G weights take seconds, not minutes.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 # The Kimi-K2.5 draft shape (AQ-MedAI reference) and a small one for CPU runs of this script.
 SHAPES = {
     "kimi": {"hidden": 7168, "heads": 64, "head_dim": 128, "intermediate": 18432, "vocab": 163840, "draft_vocab": 32000},
@@ -52,11 +55,10 @@ def fake_kimi_verifier(d: Path, hidden=7168, vocab=163840, layers=61) -> Path:
             "tie_word_embeddings": False}
     (d / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
                                                "text_config": text}))
-    dev = "cuda" if torch.cuda.is_available() else "cpu"  # 2 x 1.2G values: seconds on the GPU
-    g = torch.Generator(device=dev).manual_seed(0)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
 
     def weight():
-        return (torch.randn(vocab, hidden, device=dev, generator=g) * 0.02).bfloat16().cpu()
+        return (torch.randn(vocab, hidden, device=DEVICE, generator=g) * 0.02).bfloat16().cpu()
 
     save_file({"language_model.model.embed_tokens.weight": weight(),
                "language_model.lm_head.weight": weight(),
@@ -71,15 +73,14 @@ def synthetic_run(store, run_id: str, samples: int, seq: int, hidden: int, vocab
 
     cap, ext = Stage(store, run_id, "capture"), Stage(store, run_id, "extract")
     rows, g = [], torch.Generator().manual_seed(1)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    gd = torch.Generator(device=dev).manual_seed(2)
+    gd = torch.Generator(device=DEVICE).manual_seed(2)
     for i in range(samples):
         ids = torch.randint(0, min(vocab, 32000), (seq,), generator=g)
         mask = torch.ones(seq, dtype=torch.long)
         mask[: seq // 8] = 0
         rows.append({"row_id": f"{i:08d}-00", "prompt_index": i, "split": "validation" if i == 0 else "train",
                      "input_ids": ids.tolist(), "loss_mask": mask.tolist(), "turn": 0})
-        hs = torch.randn(seq, 4, hidden, device=dev, generator=gd).bfloat16().cpu()  # on the GPU: seconds, not minutes
+        hs = torch.randn(seq, 4, hidden, device=DEVICE, generator=gd).bfloat16().cpu()
         blob, index = encode_shard([Sample(rows[-1]["row_id"], hs, ids, mask)], [2, 30, 58, 61], "bfloat16")
         for e in index:
             e.update(split=rows[-1]["split"], prompt_index=i, loss_tokens=int(mask.sum()))

@@ -200,10 +200,7 @@ class StoreTrainer(_trainer.Trainer):
             if self._stop_agreed():  # 6
                 raise TrainingInterruptedError(f"signal, stopping after step {self._cur_step}")
 
-        with warnings.catch_warnings():
-            if not has_accelerator():  # 4: the fp32 autocast request is meant to be a no-op
-                warnings.filterwarnings("ignore", message=".*[Aa]utocast.*")
-            return super().train_epoch(epoch, step_callback=counted)
+        return super().train_epoch(epoch, step_callback=counted)
 
     @with_graceful_shutdown()
     def run_training(self):
@@ -221,7 +218,9 @@ class StoreTrainer(_trainer.Trainer):
         outer = {s: signal.signal(s, request) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             with warnings.catch_warnings():
-                if not has_accelerator():  # 4: speculators' loaders pin memory; torch says why not, every epoch
+                if not has_accelerator():  # 4: the fp32 autocast request is meant to be a no-op, and
+                    warnings.filterwarnings("ignore", message=".*[Aa]utocast.*")
+                    # speculators' loaders pin memory; torch says why not, every epoch
                     warnings.filterwarnings("ignore", message=".*pin_memory.*")
                 return _trainer.Trainer.run_training.__wrapped__(self)  # the loop itself, without its own handler
         finally:

@@ -305,11 +305,9 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
         if not items[split]:
             return None
         ds = Dataset(store.uri, run_id, items[split], str(stager.root), T, hs_dtype)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*pin_memory.*")
-            return _setup_dataloader(ds, T, shape.hidden_size, num_workers=recipe.train.num_workers,
-                                     num_target_layers=len(aux), prefetch_factor=4, preprocess=shift_batch,
-                                     seed=recipe.train.seed)
+        return _setup_dataloader(ds, T, shape.hidden_size, num_workers=recipe.train.num_workers,
+                                 num_target_layers=len(aux), prefetch_factor=4, preprocess=shift_batch,
+                                 seed=recipe.train.seed)
 
     train_loader, val_loader = loader("train"), loader("validation")
 
