@@ -80,6 +80,46 @@ def test_bf16_states_into_fp32_master_draft(tiny_recipe, tmp_path, monkeypatch):
     assert m["samples"][0]["tensors"]["hidden_states"]["dtype"] == "BF16"
 
 
+def test_flex_attention_draft_matches_sdpa(tiny_recipe):
+    """On GPU the draft trains with flex attention; on CPU with sdpa. Through our layer config both must
+    compute the same draft: same weights, a batch of two packed documents, the same loss and metrics.
+    Forward only: flex has no CPU backward, and its block masks need T to be a multiple of 128."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    from eagle_jobs.draft import build_draft_model, resolve_shape
+    from eagle_jobs.verifier import load_config, text_config
+
+    r = tiny_recipe()
+    tcfg = text_config(load_config(r.verifier))
+    shape = resolve_shape(r, tcfg)
+    t2d = torch.zeros(shape.verifier_vocab_size, dtype=torch.bool)
+    t2d[::2][: shape.draft_vocab_size] = True
+    d2t = t2d.nonzero().squeeze(1) - torch.arange(shape.draft_vocab_size)
+    torch.manual_seed(0)
+    sdpa = build_draft_model(shape, r, tcfg, "sdpa", t2d, d2t)
+    flex = build_draft_model(shape, r, tcfg, "simple_flex_attention", t2d, d2t)
+    flex.load_state_dict(sdpa.state_dict())
+    assert flex.layers[0].self_attn.config._attn_implementation == "simple_flex_attention"
+
+    T, H, n_aux = 128, shape.hidden_size, len(r.aux_layer_ids)
+    docs = (70, T - 70)
+    batch = {"hidden_states": torch.randn(1, T, n_aux * H), "input_ids": torch.randint(0, 200, (1, T)),
+             "document_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(docs)])[None],
+             "loss_mask": (torch.rand(1, T) > 0.3).float(),
+             "position_ids": torch.cat([torch.arange(1, n + 1) for n in docs])[None],
+             "verifier_last_hidden_states": torch.randn(1, T, H)}
+    kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(ttt_steps=r.train.ttt_steps, ttt_step_loss_decay=1.0,
+                                                    loss_fn=r.train.loss_fn, loss_implementation="eager")
+    with torch.no_grad():
+        _, loss_s, metrics_s = sdpa(**batch, **kwargs)
+        _, loss_f, metrics_f = flex(**batch, **kwargs)
+    assert torch.isfinite(loss_s) and loss_s > 0
+    torch.testing.assert_close(loss_f, loss_s, rtol=1e-4, atol=1e-5)
+    for k, v in metrics_s.items():
+        if isinstance(v, torch.Tensor):
+            torch.testing.assert_close(metrics_f[k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
 def test_loss_decreases_on_its_training_data(tiny_recipe, tmp_path):
     recipe = tiny_recipe(train={"epochs": 8, "lr": 3e-3})
     st = _prepared(recipe, f"file://{tmp_path}/s")

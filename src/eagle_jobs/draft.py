@@ -103,3 +103,19 @@ def llama_layer_config(shape: DraftShape, recipe: Recipe, text_cfg, attn_impl: s
     cfg.rope_parameters = rope
     cfg._attn_implementation = attn_impl  # noqa: SLF001 - the seed's missing setting
     return cfg
+
+
+def build_draft_model(shape: DraftShape, recipe: Recipe, text_cfg, attn_impl: str, t2d, d2t):
+    """speculators' Eagle3DraftModel (fp32 master weights) with our llama layer, on the recipe's verifier."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    from eagle_jobs.verifier import resolve_path
+
+    return Eagle3DraftModel.from_training_args(
+        verifier_config=llama_layer_config(shape, recipe, text_cfg, attn_impl), t2d=t2d, d2t=d2t,
+        target_layer_ids=recipe.aux_layer_ids, verifier_name_or_path=resolve_path(recipe.verifier),
+        draft_vocab_size=shape.draft_vocab_size, norm_before_residual=recipe.draft.norm_before_residual,
+        norm_before_fc=recipe.draft.norm_before_fc, norm_output=recipe.draft.norm_output,
+        ttt_steps=recipe.train.ttt_steps, draft_attn_impl=attn_impl,
+        trust_remote_code=recipe.verifier.trust_remote_code,
+    )

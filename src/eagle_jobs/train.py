@@ -16,19 +16,18 @@ import signal
 import subprocess
 import sys
 import threading
-import warnings
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-from eagle_jobs.draft import DraftShape, llama_layer_config, resolve_shape
+from eagle_jobs.draft import DraftShape, build_draft_model, resolve_shape
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
 from eagle_jobs.extract import STAGE as EXTRACT, extraction_info
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.store import Stage, Store
-from eagle_jobs.verifier import load_config, resolve_path, text_config
+from eagle_jobs.verifier import load_config, text_config
 
 STAGE = "train"
 
@@ -312,14 +311,7 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     train_loader, val_loader = loader("train"), loader("validation")
 
     # 4. model: speculators' Eagle3DraftModel with our LlamaConfig for the draft layer
-    layer_cfg = llama_layer_config(shape, recipe, tcfg, attn)
-    model = Eagle3DraftModel.from_training_args(
-        verifier_config=layer_cfg, t2d=t2d, d2t=d2t, target_layer_ids=aux,
-        verifier_name_or_path=resolve_path(recipe.verifier), draft_vocab_size=shape.draft_vocab_size,
-        norm_before_residual=recipe.draft.norm_before_residual, norm_before_fc=recipe.draft.norm_before_fc,
-        norm_output=recipe.draft.norm_output, ttt_steps=recipe.train.ttt_steps, draft_attn_impl=attn,
-        trust_remote_code=recipe.verifier.trust_remote_code,
-    )
+    model = build_draft_model(shape, recipe, tcfg, attn, t2d, d2t)
     assert next(model.fc.parameters()).dtype == torch.float32  # fp32 master weights
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -369,9 +361,7 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
         commit_checkpoint(stage, ckpt_dir, epoch, local_step, {"recipe_digest": recipe.train_digest()})
 
     trainer = compat.StoreTrainer(model, cfg, train_loader, val_loader, on_checkpoint=on_checkpoint)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*[Aa]utocast.*")
-        trainer.run_training()
+    trainer.run_training()  # its CPU warning filters live in compat (adaptation 4)
     if trainer.interrupted:
         maybe_destroy_distributed()
         raise EagleJobsError("train: interrupted by a signal; the checkpoint is committed, rerun to resume",
