@@ -143,6 +143,23 @@ def test_compiled_draft_step_matches_eager(tiny_recipe):
     assert eager.fc.weight.grad.abs().sum() > 0
 
 
+def test_gpu_dtype_path_bf16_states_under_bf16_autocast(tiny_recipe):
+    """On GPU, run_train feeds the stored bf16 states as they are and speculators' Trainer wraps the step
+    in autocast(bf16) (hidden_states_dtype). CPU autocast has bf16 too: the same step on the fp32-master
+    draft gives fp32 gradients and the fp32 path's loss to bf16 tolerance."""
+    (draft,), batch, kwargs = _draft_and_batch(tiny_recipe(), "sdpa")
+    with torch.no_grad():
+        _, loss_fp32, _ = draft(**batch, **kwargs)
+    bf16 = {k: v.bfloat16() if k.endswith("hidden_states") else v for k, v in batch.items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert draft.fc(bf16["hidden_states"]).dtype == torch.bfloat16  # the matmuls really run in bf16
+        _, loss, _ = draft(**bf16, **kwargs)
+    loss.backward()
+    assert draft.fc.weight.dtype == draft.fc.weight.grad.dtype == torch.float32
+    assert all(torch.isfinite(p.grad).all() for p in draft.parameters() if p.grad is not None)
+    torch.testing.assert_close(loss.float(), loss_fp32, rtol=2e-2, atol=2e-2)
+
+
 def test_loss_decreases_on_its_training_data(tiny_recipe, tmp_path):
     recipe = tiny_recipe(train={"epochs": 8, "lr": 3e-3})
     st = _prepared(recipe, f"file://{tmp_path}/s")
