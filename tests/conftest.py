@@ -122,3 +122,33 @@ def tiny_recipe(tmp_path, tiny_kimi):
         return Recipe.model_validate(base)
 
     return make
+
+
+def draft_and_batch(recipe, *attns, T=128):
+    """Drafts with equal weights, one per attention implementation, built as run_train builds them,
+    and a batch of two packed documents as speculators' collate makes it (after shift_batch)."""
+    import torch
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    from eagle_jobs.draft import build_draft_model, resolve_shape
+    from eagle_jobs.verifier import load_config, text_config
+
+    tcfg = text_config(load_config(recipe.verifier))
+    shape = resolve_shape(recipe, tcfg)
+    t2d = torch.zeros(shape.verifier_vocab_size, dtype=torch.bool)
+    t2d[::2][: shape.draft_vocab_size] = True
+    d2t = t2d.nonzero().squeeze(1) - torch.arange(shape.draft_vocab_size)
+    torch.manual_seed(0)
+    drafts = [build_draft_model(shape, recipe, tcfg, a, t2d, d2t) for a in attns]
+    for d in drafts[1:]:
+        d.load_state_dict(drafts[0].state_dict())
+    H, n_aux, docs = shape.hidden_size, len(recipe.aux_layer_ids), (70, T - 70)
+    batch = {"hidden_states": torch.randn(1, T, n_aux * H), "input_ids": torch.randint(0, 200, (1, T)),
+             "document_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(docs)])[None],
+             "loss_mask": (torch.rand(1, T) > 0.3).float(),
+             "position_ids": torch.cat([torch.arange(1, n + 1) for n in docs])[None],
+             "verifier_last_hidden_states": torch.randn(1, T, H)}
+    kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(
+        ttt_steps=recipe.train.ttt_steps, ttt_step_loss_decay=1.0, loss_fn=recipe.train.loss_fn,
+        loss_implementation="eager")
+    return drafts, batch, kwargs

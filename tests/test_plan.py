@@ -1,5 +1,7 @@
 from pathlib import Path
 
+import pytest
+
 from eagle_jobs.plan import make_plan
 from eagle_jobs.recipe import load_recipe
 
@@ -30,3 +32,25 @@ def test_cli_plan_runs(capsys):
     from eagle_jobs.plan import print_plan
 
     print_plan(load_recipe(REPO / "jobs/demo.yaml"))
+
+
+@pytest.mark.parametrize("draft", [
+    {"num_layers": 1, "norm_before_fc": False},
+    {"num_layers": 2, "norm_before_fc": True, "num_key_value_heads": 2},
+])
+def test_plan_counts_the_parameters_of_the_draft_speculators_builds(tiny_recipe, draft):
+    from conftest import draft_and_batch
+
+    from eagle_jobs.draft import resolve_shape
+    from eagle_jobs.plan import draft_parameters
+    from eagle_jobs.verifier import load_config, text_config
+
+    r = tiny_recipe(draft=draft)
+    (model,), _, _ = draft_and_batch(r, "sdpa")
+    counted = draft_parameters(resolve_shape(r, text_config(load_config(r.verifier))), len(r.aux_layer_ids),
+                               r.draft.norm_before_fc)
+    built = {"trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+             "total": sum(p.numel() for p in model.parameters()),
+             "saved": sum(v.numel() for k, v in model.state_dict().items()
+                          if v.is_floating_point() and k not in model._keys_to_ignore_on_save)}
+    assert counted == built

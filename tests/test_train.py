@@ -15,6 +15,8 @@ from eagle_jobs.inspect import run_inspect
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.train import download_final, run_train
 
+from conftest import draft_and_batch
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -80,40 +82,11 @@ def test_bf16_states_into_fp32_master_draft(tiny_recipe, tmp_path, monkeypatch):
     assert m["samples"][0]["tensors"]["hidden_states"]["dtype"] == "BF16"
 
 
-def _draft_and_batch(recipe, *attns, T=128):
-    """Drafts with equal weights, one per attention implementation, built as run_train builds them,
-    and a batch of two packed documents as speculators' collate makes it (after shift_batch)."""
-    from speculators.models.eagle3 import Eagle3DraftModel
-
-    from eagle_jobs.draft import build_draft_model, resolve_shape
-    from eagle_jobs.verifier import load_config, text_config
-
-    tcfg = text_config(load_config(recipe.verifier))
-    shape = resolve_shape(recipe, tcfg)
-    t2d = torch.zeros(shape.verifier_vocab_size, dtype=torch.bool)
-    t2d[::2][: shape.draft_vocab_size] = True
-    d2t = t2d.nonzero().squeeze(1) - torch.arange(shape.draft_vocab_size)
-    torch.manual_seed(0)
-    drafts = [build_draft_model(shape, recipe, tcfg, a, t2d, d2t) for a in attns]
-    for d in drafts[1:]:
-        d.load_state_dict(drafts[0].state_dict())
-    H, n_aux, docs = shape.hidden_size, len(recipe.aux_layer_ids), (70, T - 70)
-    batch = {"hidden_states": torch.randn(1, T, n_aux * H), "input_ids": torch.randint(0, 200, (1, T)),
-             "document_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(docs)])[None],
-             "loss_mask": (torch.rand(1, T) > 0.3).float(),
-             "position_ids": torch.cat([torch.arange(1, n + 1) for n in docs])[None],
-             "verifier_last_hidden_states": torch.randn(1, T, H)}
-    kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(
-        ttt_steps=recipe.train.ttt_steps, ttt_step_loss_decay=1.0, loss_fn=recipe.train.loss_fn,
-        loss_implementation="eager")
-    return drafts, batch, kwargs
-
-
 def test_flex_attention_draft_matches_sdpa(tiny_recipe):
     """On GPU the draft trains with flex attention; on CPU with sdpa. Through our layer config both must
     compute the same draft: same weights, two packed documents, the same loss and metrics.
     Forward only: flex has no CPU backward, and its block masks need T to be a multiple of 128."""
-    (sdpa, flex), batch, kwargs = _draft_and_batch(tiny_recipe(), "sdpa", "simple_flex_attention")
+    (sdpa, flex), batch, kwargs = draft_and_batch(tiny_recipe(), "sdpa", "simple_flex_attention")
     assert flex.layers[0].self_attn.config._attn_implementation == "simple_flex_attention"
     with torch.no_grad():
         _, loss_s, metrics_s = sdpa(**batch, **kwargs)
@@ -130,7 +103,7 @@ def test_compiled_draft_step_matches_eager(tiny_recipe):
     not. Here the same forward goes through Dynamo and AOTAutograd (backend aot_eager: the tracing and
     the backward graph, without inductor's code generation, which the GPU check covers): loss and
     gradients equal eager's."""
-    (eager, compiled), batch, kwargs = _draft_and_batch(tiny_recipe(), "sdpa", "sdpa")
+    (eager, compiled), batch, kwargs = draft_and_batch(tiny_recipe(), "sdpa", "sdpa")
     torch._dynamo.reset()
     _, loss_e, _ = eager(**batch, **kwargs)
     _, loss_c, _ = torch.compile(compiled.forward, backend="aot_eager")(**batch, **kwargs)
@@ -147,7 +120,7 @@ def test_gpu_dtype_path_bf16_states_under_bf16_autocast(tiny_recipe):
     """On GPU, run_train feeds the stored bf16 states as they are and speculators' Trainer wraps the step
     in autocast(bf16) (hidden_states_dtype). CPU autocast has bf16 too: the same step on the fp32-master
     draft gives fp32 gradients and the fp32 path's loss to bf16 tolerance."""
-    (draft,), batch, kwargs = _draft_and_batch(tiny_recipe(), "sdpa")
+    (draft,), batch, kwargs = draft_and_batch(tiny_recipe(), "sdpa")
     with torch.no_grad():
         _, loss_fp32, _ = draft(**batch, **kwargs)
     bf16 = {k: v.bfloat16() if k.endswith("hidden_states") else v for k, v in batch.items()}

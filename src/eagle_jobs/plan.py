@@ -34,12 +34,19 @@ def _duration(s: float) -> str:
     return f"{s / 3600:.1f} h" if s >= 5400 else f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
 
 
-def draft_parameters(s: DraftShape, num_aux: int) -> dict[str, int]:
-    H, q, kv = s.hidden_size, s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
-    layer = 2 * H * (q + 2 * kv) + q * H + 3 * H * s.intermediate_size + 3 * H
-    trainable = num_aux * H * H + layer * s.num_layers + H + num_aux * H
-    frozen = s.verifier_vocab_size * H + s.draft_vocab_size * H
-    return {"trainable": trainable, "total": trainable + frozen}
+def draft_parameters(s: DraftShape, num_aux: int, norm_before_fc: bool) -> dict[str, int]:
+    """speculators 0.9.0's Eagle3DraftModel, counted from the shape (tests compare it with a built draft)."""
+    H, I, q, kv = s.hidden_size, s.intermediate_size, s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+    # the first layer reads [embedding; fused states] (2H wide) and adds hidden_norm; the others are llama layers
+    first = 2 * H * (q + 2 * kv) + q * H + 3 * H * I + 3 * H
+    other = H * (q + 2 * kv) + q * H + 3 * H * I + 2 * H
+    fc = num_aux * H * H + (num_aux * H if norm_before_fc else 0)  # fc (no bias), input_norm
+    trainable = fc + first + other * (s.num_layers - 1) + H  # + the output norm
+    # embed_tokens, the draft lm_head, verifier_lm_head (its twin for the loss targets), verifier_norm
+    frozen = s.verifier_vocab_size * H + 2 * s.draft_vocab_size * H + H
+    total = trainable + frozen
+    # checkpoints leave out the verifier's twins (Eagle3DraftModel._keys_to_ignore_on_save)
+    return {"trainable": trainable, "total": total, "saved": total - s.draft_vocab_size * H - H}
 
 
 def _verifier_text_config(recipe: Recipe):
@@ -88,8 +95,8 @@ def make_plan(recipe: Recipe) -> dict:
     hs = hs_fp8 if recipe.extract.storage_dtype == "fp8" else hs_bf16
     t, tp = recipe.train, recipe.plan
     gpus = t.nproc_per_node * t.nnodes
-    params = draft_parameters(shape, len(recipe.aux_layer_ids))
-    ckpt = params["total"] * 2 + params["trainable"] * 2 * 2  # bf16 weights + bf16 Adam moments
+    params = draft_parameters(shape, len(recipe.aux_layer_ids), recipe.draft.norm_before_fc)
+    ckpt = params["saved"] * 2 + params["trainable"] * 2 * 2  # bf16 weights + bf16 Adam moments
     capture_shards = math.ceil(convs / recipe.capture.prompts_per_shard)
     extract_shards = max(1, math.ceil(hs / recipe.extract.shard_bytes))
     staged_reads = hs if hs <= t.local_stage_bytes else hs * t.epochs
