@@ -14,6 +14,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton's interpreter runs speculators' fused-loss kernels on CPU tensors (test_train); triton reads
+# this once, when it is imported, and torch/speculators import it early: so here, before any of them.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 # Small multipart parts so tests exercise parallel multipart uploads.
 os.environ.setdefault("EAGLE_JOBS_MULTIPART_BYTES", str(6 * 1024**2))
 os.environ.setdefault("EAGLE_JOBS_PART_BYTES", str(5 * 1024**2))

@@ -116,6 +116,41 @@ def test_compiled_draft_step_matches_eager(tiny_recipe):
     assert eager.fc.weight.grad.abs().sum() > 0
 
 
+def test_fused_loss_matches_eager_in_the_draft(tiny_recipe, monkeypatch):
+    """On GPU the draft trains with speculators' fused Triton loss; on CPU with the eager one. Triton's
+    interpreter runs the same kernels on CPU tensors: inside the draft's forward (ttt steps, loss mask,
+    draft-vocab targets) the fused loss gives eager's loss, metrics and gradients."""
+    import importlib
+    import sys
+
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    if sys.platform != "linux":  # pyproject installs triton where it publishes wheels: Linux
+        pytest.skip("triton has no wheels for this platform")
+    assert os.environ["TRITON_INTERPRET"] == "1"  # conftest: triton reads it when first imported
+    fused_mod = importlib.import_module("speculators.losses.fused")
+    r = tiny_recipe()
+    (eager, fused), batch, eager_kwargs = draft_and_batch(r, "sdpa", "sdpa")
+    fused_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(
+        ttt_steps=r.train.ttt_steps, ttt_step_loss_decay=1.0, loss_fn=r.train.loss_fn, loss_implementation="fused")
+    kernel = f"fused_{r.train.loss_fn}_loss"
+    calls = []
+    real = getattr(fused_mod, kernel)
+    monkeypatch.setattr(fused_mod, kernel, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    _, loss_e, metrics_e = eager(**batch, **eager_kwargs)
+    _, loss_f, metrics_f = fused(**batch, **fused_kwargs)
+    loss_e.backward()
+    loss_f.backward()
+    assert len(calls) == r.train.ttt_steps  # one fused kernel launch per ttt step
+    torch.testing.assert_close(loss_f, loss_e, rtol=1e-4, atol=1e-5)
+    for k, v in metrics_e.items():
+        if isinstance(v, torch.Tensor):
+            torch.testing.assert_close(metrics_f[k], v, rtol=1e-4, atol=1e-5, msg=k)
+    for (name, p_e), p_f in zip(eager.named_parameters(), fused.parameters()):
+        if p_e.grad is not None:
+            torch.testing.assert_close(p_f.grad, p_e.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_gpu_dtype_path_bf16_states_under_bf16_autocast(tiny_recipe):
     """On GPU, run_train feeds the stored bf16 states as they are and speculators' Trainer wraps the step
     in autocast(bf16) (hidden_states_dtype). CPU autocast has bf16 too: the same step on the fp32-master
