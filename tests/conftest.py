@@ -111,8 +111,10 @@ def tiny_recipe(tmp_path, tiny_kimi):
             "aux_layer_ids": [1, 2, 3],
             "capture": {"backend": "transformers", "batch_size": 4, "prompts_per_shard": 4},
             "extract": {"backend": "transformers", "shard_bytes": 60_000, "batch_tokens": 256},
+            # 4 heads x head_dim 32 = 128 on hidden 64: like Kimi-K2.5's 64 x 128 = 8192 on 7168, the
+            # attention width is not the hidden size (the seed's head_dim 112 vs 128 pitfall)
             "draft": {"draft_vocab_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
-                      "head_dim": 16, "intermediate_size": 128},
+                      "head_dim": 32, "intermediate_size": 128},
             "train": {"epochs": 2, "lr": 1e-3, "total_seq_len": 256, "ttt_steps": 2},
             "evaluate": {"num_speculative_tokens": 2, "max_new_tokens": 10},
             "store": {"uri": f"file://{tmp_path}/store", "run_id": "t"},

@@ -26,7 +26,7 @@ def trained(tmp_path_factory, tiny_kimi):
         "name": "tiny", "verifier": {"model": str(tiny_kimi)}, "prompts": {"source": str(prompts), "validation": 2},
         "chat": {"reasoning_parser": "kimi_k2"}, "sampling": {"max_new_tokens": 12},
         "limits": {"max_prompt_tokens": 200, "max_seq_len": 256}, "aux_layer_ids": [1, 2, 3],
-        "draft": {"draft_vocab_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
+        "draft": {"draft_vocab_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32,
                   "intermediate_size": 128},
         "train": {"epochs": 2, "lr": 1e-3, "total_seq_len": 256, "ttt_steps": 2},
         "evaluate": {"num_speculative_tokens": 2, "max_new_tokens": 10},

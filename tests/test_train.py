@@ -45,7 +45,7 @@ def test_end_to_end_and_reload_with_speculators(tiny_recipe, store_uri, tmp_path
     assert tc["samples"]["validation"] == 2 and tc["parameters"] == rec["parameters"]
     cfg = json.loads((final / "config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and cfg["draft_vocab_size"] == 128
-    assert cfg["transformer_layer_config"]["head_dim"] == 16 and cfg["norm_before_fc"] is True
+    assert cfg["transformer_layer_config"]["head_dim"] == 32 and cfg["norm_before_fc"] is True
     from safetensors import safe_open
 
     with safe_open(str(final / "model.safetensors"), "pt") as f:
@@ -57,6 +57,8 @@ def test_end_to_end_and_reload_with_speculators(tiny_recipe, store_uri, tmp_path
     config.transformer_layer_config._attn_implementation = "sdpa"
     m = Eagle3DraftModel.from_pretrained(str(final), config=config)
     assert m.fc.weight.shape == (64, 3 * 64) and torch.isfinite(m.fc.weight).all()
+    attn = m.layers[0].self_attn  # 4 heads x 32 wide, reading [embedding; fused state] (2 x 64)
+    assert attn.q_proj.weight.shape == (4 * 32, 2 * 64) and attn.o_proj.weight.shape == (64, 4 * 32)
     # and passes inspect
     assert run_inspect(str(final)) == ExitCode.OK
     assert run_inspect(st.url("r/train/data/final")) == ExitCode.OK
