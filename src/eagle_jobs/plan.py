@@ -36,10 +36,11 @@ def _duration(s: float) -> str:
 
 def draft_parameters(s: DraftShape, num_aux: int, norm_before_fc: bool) -> dict[str, int]:
     """speculators 0.9.0's Eagle3DraftModel, counted from the shape (tests compare it with a built draft)."""
-    H, I, q, kv = s.hidden_size, s.intermediate_size, s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+    H, mlp = s.hidden_size, 3 * s.hidden_size * s.intermediate_size  # gate, up, down
+    q, kv = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
     # the first layer reads [embedding; fused states] (2H wide) and adds hidden_norm; the others are llama layers
-    first = 2 * H * (q + 2 * kv) + q * H + 3 * H * I + 3 * H
-    other = H * (q + 2 * kv) + q * H + 3 * H * I + 2 * H
+    first = 2 * H * (q + 2 * kv) + q * H + mlp + 3 * H
+    other = H * (q + 2 * kv) + q * H + mlp + 2 * H
     fc = num_aux * H * H + (num_aux * H if norm_before_fc else 0)  # fc (no bias), input_norm
     trainable = fc + first + other * (s.num_layers - 1) + H  # + the output norm
     # embed_tokens, the draft lm_head, verifier_lm_head (its twin for the loss targets), verifier_norm
