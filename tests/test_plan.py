@@ -2,6 +2,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import draft_and_batch
 from eagle_jobs.plan import make_plan
 from eagle_jobs.recipe import load_recipe
 
@@ -39,8 +40,6 @@ def test_cli_plan_runs(capsys):
     {"num_layers": 2, "norm_before_fc": True, "num_key_value_heads": 2},
 ])
 def test_plan_counts_the_parameters_of_the_draft_speculators_builds(tiny_recipe, draft):
-    from conftest import draft_and_batch
-
     from eagle_jobs.draft import resolve_shape
     from eagle_jobs.plan import draft_parameters
     from eagle_jobs.verifier import load_config, text_config
