@@ -13,8 +13,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
   | tee -a "$OUT/gpu_check.log"
 check() {  # gpu_check.py ARGS...: output to the log, JSON results to $OUT
   local out; out=$(mktemp -d /tmp/gpu-check.XXXX)
-  python3 benchmarks/gpu_check.py --out "$out" "$@" 2>&1 | grep -v "pin_memory\|super().__init__(loader)" \
-    | tee -a "$OUT/gpu_check.log"
+  python3 benchmarks/gpu_check.py --out "$out" "$@" 2>&1 | tee -a "$OUT/gpu_check.log"
   local rc=${PIPESTATUS[0]}
   cp "$out"/gpu_check*.json "$OUT/" 2>/dev/null
   echo "== gpu_check.py $* -> exit $rc" | tee -a "$OUT/gpu_check.log"

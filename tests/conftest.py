@@ -133,7 +133,6 @@ def draft_and_batch(recipe, *attns, T=128):
     """Drafts with equal weights, one per attention implementation, built as run_train builds them,
     and a batch of two packed documents as speculators' collate makes it (after shift_batch)."""
     import torch
-    from speculators.models.eagle3 import Eagle3DraftModel
 
     from eagle_jobs.draft import build_draft_model, resolve_shape
     from eagle_jobs.verifier import load_config, text_config
@@ -153,7 +152,14 @@ def draft_and_batch(recipe, *attns, T=128):
              "loss_mask": (torch.rand(1, T) > 0.3).float(),
              "position_ids": torch.cat([torch.arange(1, n + 1) for n in docs])[None],
              "verifier_last_hidden_states": torch.randn(1, T, H)}
+    return drafts, batch, draft_call_kwargs(recipe, "eager")
+
+
+def draft_call_kwargs(recipe, loss_implementation: str) -> dict:
+    """What speculators' Trainer passes to the draft's forward (ttt steps, the loss), as run_train sets it."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
     kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(
         ttt_steps=recipe.train.ttt_steps, ttt_step_loss_decay=1.0, loss_fn=recipe.train.loss_fn,
-        loss_implementation="eager")
-    return drafts, batch, kwargs
+        loss_implementation=loss_implementation)
+    return kwargs

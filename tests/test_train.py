@@ -15,7 +15,7 @@ from eagle_jobs.inspect import run_inspect
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.train import download_final, run_train
 
-from conftest import draft_and_batch
+from conftest import draft_and_batch, draft_call_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,6 +84,21 @@ def test_bf16_states_into_fp32_master_draft(tiny_recipe, tmp_path, monkeypatch):
     assert m["samples"][0]["tensors"]["hidden_states"]["dtype"] == "BF16"
 
 
+def _assert_same_loss_and_metrics(ref, other, **tol):
+    """Two draft forwards' (draft tokens, loss, metrics) agree in the loss and every tensor metric."""
+    (_, loss_r, metrics_r), (_, loss_o, metrics_o) = ref, other
+    torch.testing.assert_close(loss_o, loss_r, **tol)
+    for k, v in metrics_r.items():
+        if isinstance(v, torch.Tensor):
+            torch.testing.assert_close(metrics_o[k], v, msg=k, **tol)
+
+
+def _assert_same_grads(ref_model, other_model, **tol):
+    for (name, p_r), p_o in zip(ref_model.named_parameters(), other_model.parameters()):
+        if p_r.grad is not None:
+            torch.testing.assert_close(p_o.grad, p_r.grad, msg=name, **tol)
+
+
 def test_flex_attention_draft_matches_sdpa(tiny_recipe):
     """On GPU the draft trains with flex attention; on CPU with sdpa. Through our layer config both must
     compute the same draft: same weights, two packed documents, the same loss and metrics.
@@ -91,13 +106,9 @@ def test_flex_attention_draft_matches_sdpa(tiny_recipe):
     (sdpa, flex), batch, kwargs = draft_and_batch(tiny_recipe(), "sdpa", "simple_flex_attention")
     assert flex.layers[0].self_attn.config._attn_implementation == "simple_flex_attention"
     with torch.no_grad():
-        _, loss_s, metrics_s = sdpa(**batch, **kwargs)
-        _, loss_f, metrics_f = flex(**batch, **kwargs)
-    assert torch.isfinite(loss_s) and loss_s > 0
-    torch.testing.assert_close(loss_f, loss_s, rtol=1e-4, atol=1e-5)
-    for k, v in metrics_s.items():
-        if isinstance(v, torch.Tensor):
-            torch.testing.assert_close(metrics_f[k], v, rtol=1e-4, atol=1e-5, msg=k)
+        out_s, out_f = sdpa(**batch, **kwargs), flex(**batch, **kwargs)
+    assert torch.isfinite(out_s[1]) and out_s[1] > 0
+    _assert_same_loss_and_metrics(out_s, out_f, rtol=1e-4, atol=1e-5)
 
 
 def test_compiled_draft_step_matches_eager(tiny_recipe):
@@ -112,9 +123,7 @@ def test_compiled_draft_step_matches_eager(tiny_recipe):
     loss_e.backward()
     loss_c.backward()
     torch.testing.assert_close(loss_c, loss_e)
-    for (name, p_e), p_c in zip(eager.named_parameters(), compiled.parameters()):
-        if p_e.grad is not None:
-            torch.testing.assert_close(p_c.grad, p_e.grad, msg=name)
+    _assert_same_grads(eager, compiled)
     assert eager.fc.weight.grad.abs().sum() > 0
 
 
@@ -125,32 +134,23 @@ def test_fused_loss_matches_eager_in_the_draft(tiny_recipe, monkeypatch):
     import importlib
     import sys
 
-    from speculators.models.eagle3 import Eagle3DraftModel
-
     if sys.platform != "linux":  # pyproject installs triton where it publishes wheels: Linux
         pytest.skip("triton has no wheels for this platform")
     assert os.environ["TRITON_INTERPRET"] == "1"  # conftest: triton reads it when first imported
     fused_mod = importlib.import_module("speculators.losses.fused")
     r = tiny_recipe()
     (eager, fused), batch, eager_kwargs = draft_and_batch(r, "sdpa", "sdpa")
-    fused_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(
-        ttt_steps=r.train.ttt_steps, ttt_step_loss_decay=1.0, loss_fn=r.train.loss_fn, loss_implementation="fused")
+    fused_kwargs = draft_call_kwargs(r, "fused")
     kernel = f"fused_{r.train.loss_fn}_loss"
     calls = []
     real = getattr(fused_mod, kernel)
     monkeypatch.setattr(fused_mod, kernel, lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    _, loss_e, metrics_e = eager(**batch, **eager_kwargs)
-    _, loss_f, metrics_f = fused(**batch, **fused_kwargs)
-    loss_e.backward()
-    loss_f.backward()
+    out_e, out_f = eager(**batch, **eager_kwargs), fused(**batch, **fused_kwargs)
+    out_e[1].backward()
+    out_f[1].backward()
     assert len(calls) == r.train.ttt_steps  # one fused kernel launch per ttt step
-    torch.testing.assert_close(loss_f, loss_e, rtol=1e-4, atol=1e-5)
-    for k, v in metrics_e.items():
-        if isinstance(v, torch.Tensor):
-            torch.testing.assert_close(metrics_f[k], v, rtol=1e-4, atol=1e-5, msg=k)
-    for (name, p_e), p_f in zip(eager.named_parameters(), fused.parameters()):
-        if p_e.grad is not None:
-            torch.testing.assert_close(p_f.grad, p_e.grad, rtol=1e-4, atol=1e-6, msg=name)
+    _assert_same_loss_and_metrics(out_e, out_f, rtol=1e-4, atol=1e-5)
+    _assert_same_grads(eager, fused, rtol=1e-4, atol=1e-6)
 
 
 def test_gpu_dtype_path_bf16_states_under_bf16_autocast(tiny_recipe):
