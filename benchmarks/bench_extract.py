@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
 
-    from eagle_jobs.capture import read_rows
+    from eagle_jobs.committed import read_rows
     from eagle_jobs.extract import batches_by_tokens, forward_batch, run_extract
     from eagle_jobs.store import Stage, Store
     from eagle_jobs.verifier import load_verifier

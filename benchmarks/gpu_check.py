@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-
 # Random weights and hidden states are drawn here: on the GPU, 2 x 1.2G weights take seconds, not minutes.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -106,11 +105,12 @@ def main(argv: list[str] | None = None) -> dict:
     gpu = torch.cuda.is_available()
     assert gpu or args.shape == "tiny", "the Kimi shape needs a GPU; use --shape tiny on CPU"
 
+    from eagle_jobs.committed import download_final
     from eagle_jobs.errors import ExitCode
     from eagle_jobs.inspect import run_inspect
     from eagle_jobs.recipe import Recipe
     from eagle_jobs.store import Store
-    from eagle_jobs.train import download_final, run_ranks, run_train
+    from eagle_jobs.train import run_ranks, run_train
 
     sh, work = SHAPES[args.shape], args.out
     verifier = fake_kimi_verifier(work / "verifier", sh["hidden"], sh["vocab"])

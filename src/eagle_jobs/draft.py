@@ -33,10 +33,10 @@ class DraftShape:
 
 
 def check_aux_ids(aux: list[int], verifier_layers: int, where: str = "aux_layer_ids") -> None:
-    bad = [i for i in aux if not 0 <= i < verifier_layers]
+    bad = [i for i in aux if not 1 <= i < verifier_layers]
     if bad:
         raise BadInput(f"{where} {aux}: {bad} out of range for a verifier with {verifier_layers} layers "
-                       f"(ids are inputs of decoder layers 0..{verifier_layers - 1}; the final layer is added by itself)")
+                       f"(ids are inputs of decoder layers 1..{verifier_layers - 1}; the final layer is added by itself)")
 
 
 def stored_layer_ids(aux: list[int], verifier_layers: int) -> list[int]:
@@ -99,6 +99,8 @@ def llama_layer_config(shape: DraftShape, recipe: Recipe, text_cfg, attn_impl: s
         rms_norm_eps=float(getattr(text_cfg, "rms_norm_eps", 1e-6)),
         initializer_range=float(getattr(text_cfg, "initializer_range", 0.02)), tie_word_embeddings=False,
         sliding_window=sliding, use_sliding_window=bool(sliding), layer_types=layer_types,
+        # vLLM sizes the served draft's fc from this, and for 3 aux states without it (llama_eagle3.py)
+        num_aux_hidden_states=len(recipe.aux_layer_ids),
     )
     cfg.rope_parameters = rope
     cfg._attn_implementation = attn_impl  # noqa: SLF001 - the seed's missing setting

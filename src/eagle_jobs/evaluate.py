@@ -24,13 +24,14 @@ from pathlib import Path
 
 import torch
 
+from eagle_jobs.committed import EVALUATE, download_final, extraction_info
 from eagle_jobs.errors import BadInput
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.prompts import load_prompts
 from eagle_jobs.recipe import PromptSpec, Recipe
 from eagle_jobs.store import Stage, Store
 
-STAGE = "eval"
+STAGE = EVALUATE
 
 
 @dataclass
@@ -213,7 +214,6 @@ def check_draft_matches(recipe: Recipe, draft_cfg: dict, extraction_layers: list
 
 # -- backends ----------------------------------------------------------------------------------
 def evaluate_transformers(recipe: Recipe, draft_dir: Path, prompts: list[list[dict]], untrained: bool) -> dict:
-    from eagle_jobs.capture import chat_template_kwargs
     from eagle_jobs.verifier import load_verifier
 
     v = load_verifier(recipe.verifier)
@@ -223,7 +223,7 @@ def evaluate_transformers(recipe: Recipe, draft_dir: Path, prompts: list[list[di
     eos_id = v.model.generation_config.eos_token_id
     eos = set(eos_id if isinstance(eos_id, list) else [eos_id or v.tokenizer.eos_token_id])
     outputs = []
-    kw = chat_template_kwargs(recipe)
+    kw = recipe.chat.template_kwargs()
     label = "evaluate (untrained draft)" if untrained else "evaluate"
     with stage_progress(label, len(prompts), "prompts") as advance:
         for msgs in prompts:
@@ -257,7 +257,8 @@ def parse_spec_metrics(text: str) -> dict:
     return out
 
 
-def vllm_speculative_args(recipe: Recipe, draft_dir: Path) -> list[str]:
+def serve_args(recipe: Recipe, draft_dir: Path) -> list[str]:
+    """What evaluate adds to `vllm serve`: the draft, as EAGLE-3 speculative decoding."""
     spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": recipe.evaluate.num_speculative_tokens}
     return ["--speculative-config", json.dumps(spec)]
 
@@ -265,15 +266,14 @@ def vllm_speculative_args(recipe: Recipe, draft_dir: Path) -> list[str]:
 def evaluate_vllm(recipe: Recipe, draft_dir: Path, prompts: list[list[dict]]) -> dict:
     import httpx
 
-    from eagle_jobs.capture import chat_template_kwargs
     from eagle_jobs.vllm_server import vllm_endpoint
 
     k = recipe.evaluate.num_speculative_tokens
-    with vllm_endpoint(recipe.evaluate.vllm, recipe.verifier.model, vllm_speculative_args(recipe, draft_dir)) as base:
+    with vllm_endpoint(recipe.evaluate.vllm, recipe.verifier, serve_args(recipe, draft_dir)) as base:
         before = parse_spec_metrics(httpx.get(f"{base}/metrics", timeout=30).text)
         model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
         tokens = 0
-        kw = chat_template_kwargs(recipe)
+        kw = recipe.chat.template_kwargs()
         with httpx.Client(timeout=recipe.evaluate.vllm.request_timeout_s) as c, \
                 stage_progress("evaluate (vllm)", len(prompts), "prompts") as advance:
             for msgs in prompts:
@@ -305,8 +305,6 @@ def teacher_forced_estimate(metrics: list[dict], k: int) -> float | None:
 
 def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None = None,
                  output: Path | None = None) -> dict:
-    from eagle_jobs.extract import extraction_info
-    from eagle_jobs.train import download_final
     from eagle_jobs.verifier import load_config
 
     msgs = eval_prompts(recipe, prompts)  # bad prompt files fail here, before any model loads

@@ -12,14 +12,17 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
+import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from eagle_jobs.capture import read_rows
+from eagle_jobs import vllm_cpu
+from eagle_jobs.committed import EXTRACT, read_rows, read_sample
 from eagle_jobs.draft import check_aux_ids, stored_layer_ids
-from eagle_jobs.errors import BadInput, Unavailable
+from eagle_jobs.errors import Unavailable
 from eagle_jobs.hsformat import Sample, bytes_per_token, encode_shard, sample_problem
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.recipe import Recipe
@@ -27,7 +30,7 @@ from eagle_jobs.sharding import owned, resolve_worker, worker_tag
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.verifier import load_config, text_config
 
-STAGE = "extract"
+STAGE = EXTRACT
 
 
 def plan_shards(rows: list[dict], bytes_per_tok: int, shard_bytes: int) -> list[list[dict]]:
@@ -134,37 +137,54 @@ class TransformersExtractor:
 
 
 class VllmExtractor:
-    """vLLM's extract_hidden_states + a hidden-states connector writing to local scratch."""
+    """vLLM's extract_hidden_states + its hidden-states connector writing to local scratch.
+
+    The connector's protocol (vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py):
+    `<path>.lock` is created and held with LOCK_EX before the response names `<path>`; a writer thread
+    saves the file afterwards and then releases the lock. So: wait for LOCK_SH first, read, delete.
+    """
 
     def __init__(self, recipe: Recipe, base_url: str, scratch: Path):
         self.recipe, self.base, self.scratch = recipe, base_url, scratch
 
     @staticmethod
-    def serve_args(recipe: Recipe, layer_ids: list[int], scratch: Path) -> list[str]:
-        spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
-        kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-              "kv_connector_extra_config": {"shared_storage_path": str(scratch)}}
-        if recipe.extract.storage_dtype == "fp8":
-            kv["kv_connector"] = "FP8HiddenStatesConnector"
-            kv["kv_connector_module_path"] = "hs_connectors.fp8_hidden_states_connector"
-        return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
-                "--no-enable-chunked-prefill"]
+    def wait_written(path: Path, timeout_s: float, poll_s: float = 0.01) -> None:
+        """Until the connector's writer has released `<path>.lock` (polled, as speculators' client does)."""
+        lock = path.with_name(path.name + ".lock")
+        deadline = time.monotonic() + timeout_s
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except FileNotFoundError:
+            fd = None  # use_synchronization_lock off: the file is complete when it exists
+        try:
+            while True:
+                if fd is not None:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                        return
+                    except BlockingIOError:
+                        pass
+                elif path.is_file():
+                    return
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"hidden-states file {path}: still locked by vLLM after {timeout_s:.0f}s "
+                                      "(extract.vllm.request_timeout_s); is the server's writer stuck? rerun to retry")
+                time.sleep(poll_s)
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     @staticmethod
     def _load(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
         from safetensors.torch import load_file
 
-        lock = path.with_suffix(path.suffix + ".lock")
-        if lock.exists():  # the connector holds an exclusive flock while writing
-            with open(lock) as f:
-                fcntl.flock(f, fcntl.LOCK_SH)
-                fcntl.flock(f, fcntl.LOCK_UN)
         d = load_file(str(path))
-        hs = d["hidden_states"]
-        if "hidden_states_scales" in d:  # hs-connectors fp8 backend
-            hs = hs.float() * d["hidden_states_scales"].float()
-        return hs, d["token_ids"]
+        return d["hidden_states"], d["token_ids"]
+
+    @staticmethod
+    def remove(path: Path) -> None:
+        for p in (path, path.with_name(path.name + ".lock")):
+            p.unlink(missing_ok=True)
 
     def states(self, rows: list[dict], advance) -> dict[str, tuple]:
         import httpx
@@ -178,19 +198,23 @@ class VllmExtractor:
             async with sem:
                 resp = await post_with_retries(client, f"{self.base}/v1/completions", body, spec.vllm.max_retries)
             echoed = resp["choices"][0].get("prompt_token_ids") or resp.get("prompt_token_ids")
-            path = Path((resp.get("kv_transfer_params") or {}).get("hidden_states_path", ""))
+            where = (resp.get("kv_transfer_params") or {}).get("hidden_states_path")
+            if not where:
+                raise Unavailable(f"vLLM at {self.base} answered without kv_transfer_params.hidden_states_path: "
+                                  "is it serving with extract's --speculative-config and --kv-transfer-config?")
+            path = Path(where)
+            # wait even when the answer is unusable: deleting a lock vLLM still holds leaves its file behind
+            await asyncio.to_thread(self.wait_written, path, spec.vllm.request_timeout_s)
             try:
                 if echoed != r["input_ids"]:
                     out[r["row_id"]] = ("echoed token ids differ from the row", None)
                     return
                 if not path.is_file():
-                    raise Unavailable(f"vLLM answered without a hidden-states file ({path}): is the kv connector configured?")
+                    raise Unavailable(f"vLLM released {path}.lock without writing {path}: see the server log")
                 hs, tids = await asyncio.to_thread(self._load, path)
                 out[r["row_id"]] = (hs, tids.tolist())
             finally:
-                for p in (path, path.with_suffix(path.suffix + ".lock")):
-                    if p.name and p.is_file():
-                        p.unlink()
+                self.remove(path)
             advance(1, len(r["input_ids"]))
 
         async def main():
@@ -206,6 +230,41 @@ class VllmExtractor:
 
     def close(self) -> None:
         pass
+
+
+def sweep_scratch(scratch: Path) -> int:
+    """Delete what an earlier, failed attempt left in this worker's scratch: files whose lock nobody holds."""
+    removed = 0
+    files = {p.with_name(p.name.removesuffix(".lock")) for p in scratch.glob("*.safetensors*")}
+    for path in sorted(files):
+        lock = path.with_name(path.name + ".lock")
+        if lock.exists():
+            with open(lock) as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a write in flight
+        VllmExtractor.remove(path)
+        removed += 1
+    return removed
+
+
+def serve_args(recipe: Recipe, run_id: str, worker: int) -> list[str]:
+    """What extract adds to `vllm serve`: vLLM's extract_hidden_states with a connector writing to scratch.
+
+    Always bf16 from vLLM (the model dtype): with storage_dtype fp8 the shard encoder quantises once,
+    per token and layer. hs-connectors' fp8 connector would quantise first with one scale per token
+    over all layers, and ours would quantise again.
+    """
+    from eagle_jobs.verifier import num_layers
+
+    layer_ids = stored_layer_ids(recipe.aux_layer_ids, recipe.verifier.num_layers or num_layers(recipe.verifier))
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
+    kv = {**vllm_cpu.hidden_states_connector(), "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": str(scratch_dir(recipe, run_id, worker))}}
+    return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
+            "--no-enable-chunked-prefill"]
 
 
 def scratch_dir(recipe: Recipe, run_id: str, worker: int) -> Path:
@@ -247,8 +306,9 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
             from eagle_jobs.vllm_server import vllm_endpoint
 
             scratch = scratch_dir(recipe, run_id, idx)
-            args = VllmExtractor.serve_args(recipe, layer_ids, scratch)
-            with vllm_endpoint(recipe.extract.vllm, recipe.verifier.model, args) as base:
+            if swept := sweep_scratch(scratch):
+                console.print(f"  removed {swept} hidden-state files an earlier attempt left in {scratch}")
+            with vllm_endpoint(recipe.extract.vllm, recipe.verifier, serve_args(recipe, run_id, idx)) as base:
                 _extract_shards(recipe, stage, idx, n, todo, lambda: VllmExtractor(recipe, base, scratch),
                                 layer_ids, hidden, skipped, index, reused)
     if reused[0]:
@@ -325,31 +385,3 @@ def _pack_and_commit(recipe, stage: Stage, name: str, rows, states, layer_ids, h
         "settings_digest": extract_digest(recipe),
     })
     return skipped
-
-
-def extraction_info(store: Store, run_id: str) -> dict:
-    """What the train/evaluate stages need to know about a committed extraction."""
-    from eagle_jobs.errors import NotReady
-
-    stage = Stage(store, run_id, STAGE)
-    if not stage.is_complete():
-        raise NotReady(f"extract of run '{run_id}' is not complete in {store.uri}: run `eagle-jobs extract` first")
-    manifests = stage.manifests()
-    if not manifests:
-        raise BadInput(f"extract of run '{run_id}' has no shards")
-    ids = {tuple(m["layer_ids"]) for m in manifests}
-    if len(ids) != 1:
-        raise BadInput(f"extract of run '{run_id}': shards disagree on layer ids {sorted(ids)}; rerun extraction")
-    return {"manifests": manifests, "layer_ids": list(ids.pop()), "hidden_size": manifests[0]["hidden_size"],
-            "storage": manifests[0]["storage"]}
-
-
-
-def read_sample(store: Store, run_id: str, manifest: dict, entry: dict, dtype=torch.bfloat16) -> dict:
-    """One sample with one range read of its shard (never the whole object)."""
-    from eagle_jobs.hsformat import decode_sample
-
-    (fname,) = manifest["files"]
-    key = Stage(store, run_id, STAGE).key(f"data/{fname}")
-    buf = store.get(key, entry["start"], entry["start"] + entry["length"])
-    return decode_sample(buf, entry, dtype)

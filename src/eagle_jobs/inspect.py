@@ -58,7 +58,20 @@ def flat_fields(cfg: dict) -> dict:
         "intermediate_size": tl.get("intermediate_size"), "num_hidden_layers": tl.get("num_hidden_layers"),
         "vocab_size": tl.get("vocab_size"), "draft_vocab_size": cfg.get("draft_vocab_size"),
         "eagle_aux_hidden_state_layer_ids": aux, "layer_model_type": tl.get("model_type"),
+        "vllm_num_aux_hidden_states": vllm_num_aux_hidden_states(cfg),
     }
+
+
+def vllm_num_aux_hidden_states(cfg: dict) -> int:
+    """How many aux states vLLM sizes the draft's fc for (vllm/model_executor/models/llama_eagle3.py):
+    the config's num_aux_hidden_states (from transformer_layer_config, the base of vLLM's draft
+    config), else eagle_config's id list, else 3, whatever eagle_aux_hidden_state_layer_ids says."""
+    tl = cfg.get("transformer_layer_config") or cfg
+    n = tl.get("num_aux_hidden_states") or cfg.get("num_aux_hidden_states")
+    if n:
+        return int(n)
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return len(ids) if ids else 3
 
 
 def check(ckpt: Path, verifier_layers: int | None) -> tuple[list[str], dict, dict]:
@@ -82,6 +95,9 @@ def check(ckpt: Path, verifier_layers: int | None) -> tuple[list[str], dict, dic
     # key names: vLLM maps midlayer.* -> layers.0.*
     names = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: v for k, v in tensors.items()}
     H, aux = f["hidden_size"], f["eagle_aux_hidden_state_layer_ids"] or []
+    if aux and f["vllm_num_aux_hidden_states"] != len(aux):
+        problems.append(f"vLLM would size fc for {f['vllm_num_aux_hidden_states']} aux states, the draft reads "
+                        f"{len(aux)} ({aux}): write num_aux_hidden_states = {len(aux)} into transformer_layer_config")
     need = {"fc.weight": [H, len(aux or [0, 0, 0]) * H], "norm.weight": [H],
             "lm_head.weight": [f["draft_vocab_size"], H],
             "layers.0.self_attn.q_proj.weight": [f["num_attention_heads"] * f["head_dim"], 2 * H],

@@ -15,6 +15,28 @@ STAGES = ["capture", "extract", "train", "evaluate"]
 STAGE_DIRS = {"capture": "capture", "extract": "extract", "train": "train", "evaluate": "eval"}
 
 
+def stage_serve_command(recipe: Recipe, stage: str, store: Store, run_id: str,
+                        shard_index: int | None = None) -> list[str]:
+    """The `vllm serve` command of one stage, as the stage itself would start it (the pod's sidecar)."""
+    import os
+    from pathlib import Path
+
+    from eagle_jobs import capture, evaluate, extract
+    from eagle_jobs.committed import download_final
+    from eagle_jobs.sharding import resolve_worker
+    from eagle_jobs.vllm_server import serve_command
+
+    if stage == "capture":
+        return serve_command(recipe.capture.vllm, recipe.verifier, capture.serve_args(recipe))
+    if stage == "extract":
+        idx, _n = resolve_worker(shard_index, None)
+        return serve_command(recipe.extract.vllm, recipe.verifier, extract.serve_args(recipe, run_id, idx))
+    if stage == "evaluate":
+        draft = download_final(store, run_id, Path(os.environ.get("EAGLE_JOBS_WORK_DIR", "/tmp")) / "draft")
+        return serve_command(recipe.evaluate.vllm, recipe.verifier, evaluate.serve_args(recipe, draft))
+    raise BadInput(f"serve-vllm --stage {stage}: choose capture, extract or evaluate")
+
+
 def run_pipeline(recipe: Recipe, store: Store, run_id: str, stages: list[str] | None = None) -> dict:
     from eagle_jobs.capture import run_capture
     from eagle_jobs.evaluate import run_evaluate

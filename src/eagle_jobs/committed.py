@@ -1,0 +1,69 @@
+"""What one stage reads of another stage's committed output: the layer below the stages.
+
+Stages are peers (capture, extract, train, evaluate never import each other); each reads
+its inputs through these readers, which know the stores' layout (docs/FORMAT.md) and
+nothing of how the stage that wrote it works.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from eagle_jobs.errors import BadInput, NotReady
+from eagle_jobs.store import Stage, Store
+
+CAPTURE, EXTRACT, TRAIN, EVALUATE = "capture", "extract", "train", "eval"
+
+
+def read_rows(store: Store, run_id: str, require_complete: bool = True) -> list[dict]:
+    """Every committed capture row of a run, in row-id order."""
+    stage = Stage(store, run_id, CAPTURE)
+    if require_complete and not stage.is_complete():
+        raise NotReady(f"capture of run '{run_id}' is not complete in {store.uri}: run `eagle-jobs capture` first")
+    rows = []
+    for _m, _f, data in stage.iter_objects():
+        for line in data.decode().splitlines():
+            rows.append(json.loads(line))
+    if not rows:
+        raise BadInput(f"capture of run '{run_id}' committed no rows: check the prompt set and limits")
+    return sorted(rows, key=lambda r: r["row_id"])
+
+
+def extraction_info(store: Store, run_id: str) -> dict:
+    """What the train/evaluate stages need to know about a committed extraction."""
+    stage = Stage(store, run_id, EXTRACT)
+    if not stage.is_complete():
+        raise NotReady(f"extract of run '{run_id}' is not complete in {store.uri}: run `eagle-jobs extract` first")
+    manifests = stage.manifests()
+    if not manifests:
+        raise BadInput(f"extract of run '{run_id}' has no shards")
+    ids = {tuple(m["layer_ids"]) for m in manifests}
+    if len(ids) != 1:
+        raise BadInput(f"extract of run '{run_id}': shards disagree on layer ids {sorted(ids)}; rerun extraction")
+    return {"manifests": manifests, "layer_ids": list(ids.pop()), "hidden_size": manifests[0]["hidden_size"],
+            "storage": manifests[0]["storage"]}
+
+
+def read_sample(store: Store, run_id: str, manifest: dict, entry: dict, dtype=torch.bfloat16) -> dict:
+    """One hidden-state sample with one range read of its shard (never the whole object)."""
+    from eagle_jobs.hsformat import decode_sample
+
+    (fname,) = manifest["files"]
+    key = Stage(store, run_id, EXTRACT).key(f"data/{fname}")
+    buf = store.get(key, entry["start"], entry["start"] + entry["length"])
+    return decode_sample(buf, entry, dtype)
+
+
+def download_final(store: Store, run_id: str, dest: Path) -> Path:
+    """The committed final draft checkpoint as a local directory (for evaluate / inspect / vLLM)."""
+    stage = Stage(store, run_id, TRAIN)
+    m = stage.manifest("final")
+    if m is None:
+        raise NotReady(f"train of run '{run_id}' has no committed final checkpoint in {store.uri}: run `eagle-jobs train`")
+    dest.mkdir(parents=True, exist_ok=True)
+    for f, info in m["files"].items():
+        (dest / f.split("/", 1)[1]).write_bytes(stage.read(f, info))
+    return dest

