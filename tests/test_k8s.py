@@ -22,7 +22,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 OVERLAYS = ["dev", "smoke", "full", "full-multinode"]
 OLDEST_K8S = "1.33.0"
-RECIPES = {"dev": "demo", "smoke": "kimi-k2.5-smoke", "full": "kimi-k2.5", "full-multinode": "kimi-k2.5"}
+RECIPES = {"dev": "demo-transformers", "smoke": "kimi-k2.5-smoke", "full": "kimi-k2.5", "full-multinode": "kimi-k2.5"}
 STAGES = ["capture", "extract", "train", "evaluate"]
 
 
@@ -271,7 +271,7 @@ def test_recipe_copies_equal_jobs():
         p = REPO / "k8s/overlays" / o / "recipe.yaml"
         if p.exists():
             assert p.read_text() == (REPO / "jobs" / f"{name}.yaml").read_text(), f"run `make k8s-recipes` ({p})"
-    assert (REPO / "k8s/base/recipe.yaml").read_text() == (REPO / "jobs/demo.yaml").read_text()
+    assert (REPO / "k8s/base/recipe.yaml").read_text() == (REPO / "jobs/demo-transformers.yaml").read_text()
 
 
 def test_yamllint():
