@@ -31,7 +31,7 @@ ifeq ($(VLLM_CPU),yes)
 	printf '#!/bin/sh\nexec "$$(dirname "$$0")/python" -m eagle_jobs.vllm_cpu "$$@"\n' > $(BIN)/vllm
 	chmod +x $(BIN)/vllm
 	$(BIN)/python -c 'import sys; from eagle_jobs.vllm_cpu import cuda_builds_installed as c; \
-	  sys.exit(c() and f"CUDA builds that break vllm serve on CPU were installed: {c()}")'
+	  sys.exit(f"CUDA builds that break vllm serve on CPU were installed: {c()}" if c() else 0)'
 else
 	$(BIN)/pip install -q -e '.[test]'
 endif

@@ -11,10 +11,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def demo_recipe(**over):
+def demo_recipe(name: str = "demo-transformers", **over):
     from eagle_jobs.recipe import load_recipe
 
-    r = load_recipe(REPO / "jobs/demo.yaml")
+    r = load_recipe(REPO / f"jobs/{name}.yaml")
     for section, fields in over.items():
         r = r.model_copy(update={section: getattr(r, section).model_copy(update=fields)})
     return r

@@ -48,3 +48,19 @@ def test_hidden_state_shard_is_as_documented(tiny_recipe, tmp_path):
         assert f"`{name}`" in DOC
     for key in ("format", "storage", "layer_ids", "hidden_size", "tokens", "verifier", "settings_digest", "skipped"):
         assert key in m and f"`{key}`" in DOC
+
+
+def test_stages_are_peers():
+    """No stage imports another; what they share of each other's output is in committed.py (docs/ARCHITECTURE.md)."""
+    import ast
+
+    stages = {"capture", "extract", "train", "evaluate"}
+    src = Path(__file__).resolve().parents[1] / "src/eagle_jobs"
+    for name in stages | {"committed", "vllm_server", "vllm_cpu"}:
+        tree = ast.parse((src / f"{name}.py").read_text())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eagle_jobs"):
+                imported.add(node.module.removeprefix("eagle_jobs").strip("."))
+                imported.update(a.name for a in node.names if node.module == "eagle_jobs")
+        assert not (imported & (stages - {name})), f"{name}.py imports {sorted(imported & stages)}"
