@@ -139,6 +139,42 @@ def test_prompt_over_the_servers_context_is_skipped_not_fatal(tiny_recipe, tiny_
     assert all(r["num_prompt_tokens"] < 25 for r in rows)
 
 
+def test_server_dying_mid_run_exits_5_keeps_committed_shards_and_a_rerun_finishes(tiny_recipe, tiny_kimi, tmp_path):
+    from fake_vllm import FakeVllm
+
+    from eagle_jobs.store import Stage
+
+    class Dying(FakeVllm):
+        """Answers 6 generations, then drops every connection, as a server whose engine died."""
+
+        def chat(self, body):
+            self.answered = getattr(self, "answered", 0) + 1
+            if self.answered == 6:
+                self.drop_remaining = 10**9
+            return super().chat(body)
+
+    st = Store.open(f"file://{tmp_path}/s")
+    dying = Dying(str(tiny_kimi), reasoning_parser="kimi_k2")
+    recipe = tiny_recipe(capture={"backend": "vllm", "concurrency": 1,
+                                  "vllm": {"endpoint": dying.start(), "max_retries": 1}})
+    try:
+        with pytest.raises(Unavailable, match="still failing after 1 retries") as e:
+            run_capture(recipe, st, "v")
+    finally:
+        dying.stop()
+    assert e.value.code == 5 and "\n" not in str(e.value)
+    committed = [m["rows"] for m in Stage(st, "v", "capture").manifests()]
+    assert committed == [5]  # the first shard (4 conversations, one of them two turns) is kept
+    healthy = FakeVllm(str(tiny_kimi), reasoning_parser="kimi_k2")
+    recipe = tiny_recipe(capture={"backend": "vllm", "vllm": {"endpoint": healthy.start()}})
+    try:
+        run_capture(recipe, st, "v")
+    finally:
+        healthy.stop()
+    assert healthy.requests == 2 * (len(read_rows(st, "v")) - 5)  # /tokenize + chat, first shard not redone
+    assert len(Stage(st, "v", "capture").manifests()) == 3
+
+
 def test_server_never_healthy(tiny_recipe, tmp_path):
     from conftest import free_port
 
