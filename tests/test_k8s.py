@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -140,7 +143,7 @@ def test_exit_code_mapping(rendered, overlay):
                    for r in rules)
 
 
-GPU = {"dev": {}, "smoke": {s: 8 for s in STAGES}, "full": {s: 8 for s in STAGES},
+GPU = {"dev": {}, "smoke": {**{s: 8 for s in STAGES}, "train": 1}, "full": {s: 8 for s in STAGES},
        "full-multinode": {s: 8 for s in STAGES}}
 
 
@@ -160,7 +163,6 @@ def test_gpus_resources_and_scheduling(rendered, overlay):
             terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
             keys = {(e["key"], tuple(e["values"])) for t in terms for e in t["matchExpressions"]}
             assert ("nvidia.com/gpu.product", ("NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition",)) in keys
-            assert ("nvidia.com/gpu.family", ("blackwell",)) in keys
             shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
             assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
             gpu_c = next(c for c in containers if c["resources"]["limits"].get("nvidia.com/gpu"))
@@ -302,3 +304,133 @@ def test_skaffold_config():
         paths = [op["value"] for op in p.get("patches", []) if op["path"] == "/manifests/kustomize/paths"]
         assert paths in ([], [[f"k8s/overlays/{name}"]])
     assert "--force" in json.dumps(cfg["deploy"]) or "force" in json.dumps(cfg["deploy"])
+
+
+# -- what a real cluster enforces beyond the CRD schema -----------------------------------------------
+RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def webhook_name_problems(js: dict) -> list[str]:
+    """JobSet's validating webhook (pkg/webhooks/jobset_webhook.go, v0.12.0): the JobSet name (also its
+    headless Service), the longest Job name <js>-<rjob>-<jobIdx> and the longest pod name
+    <js>-<rjob>-<jobIdx>-<podIdx>-<5 random> are RFC-1035 labels of at most 63 characters."""
+    name, bad = js["metadata"]["name"], []
+    names = [name]
+    for rj in js["spec"]["replicatedJobs"]:
+        job = f"{name}-{rj['name']}-{rj.get('replicas', 1) - 1}"
+        spec = rj["template"]["spec"]
+        pods = max(spec.get("completions", 1) or 1, spec.get("parallelism", 1) or 1)
+        names += [job, f"{job}-{pods - 1}-abcde"]
+    for n in names:
+        if len(n) > 63 or not RFC1035.match(n):
+            bad.append(n)
+    return bad
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_jobset_webhook_admits_the_generated_names(rendered, overlay):
+    assert webhook_name_problems(_jobset(rendered[overlay])) == []
+
+
+def test_jobset_name_at_its_limit_is_admitted_and_one_more_is_refused(rendered):
+    from eagle_jobs import cluster
+    from eagle_jobs.errors import BadInput
+
+    js = copy.deepcopy(_jobset(rendered["full"]))
+    run_id = "r" * (cluster.MAX_JOBSET_NAME - len("eagle-jobs-"))
+    js["metadata"]["name"] = cluster.jobset_name(run_id)
+    assert len(js["metadata"]["name"]) == cluster.MAX_JOBSET_NAME and webhook_name_problems(js) == []
+    js["metadata"]["name"] += "x"
+    assert webhook_name_problems(js)  # what the webhook would refuse, jobset_name refuses first
+    with pytest.raises(BadInput, match="too long"):
+        cluster.jobset_name(run_id + "x")
+    assert webhook_name_problems({**js, "metadata": {"name": "eagle-jobs-kimi-k2.5"}})  # the dot
+
+
+QUALIFIED = re.compile(r"^[a-z0-9.-]+(:[0-9]+)?/[a-z0-9._/-]+(:[\w][\w.-]{0,127}|@sha256:[0-9a-f]{64})$")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_image_has_a_registry_and_a_tag(rendered, overlay):
+    """A short name resolves to docker.io/library/<name>:latest: ImagePullBackOff, a pod stuck in Init."""
+    for d in rendered[overlay]:
+        for pod in _pod_specs(d):
+            for c in pod.get("containers", []) + pod.get("initContainers", []):
+                assert QUALIFIED.match(c["image"]) and "." in c["image"].split("/")[0], (overlay, c["name"], c["image"])
+
+
+def _pod_specs(doc: dict) -> list[dict]:
+    if doc["kind"] == "JobSet":
+        return [rj["template"]["spec"]["template"]["spec"] for rj in doc["spec"]["replicatedJobs"]]
+    if doc["kind"] in ("Deployment", "StatefulSet", "Job"):
+        return [doc["spec"]["template"]["spec"]]
+    if doc["kind"] == "Pod":
+        return [doc["spec"]]
+    return []
+
+
+@pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
+def test_sidecar_serve_commands_for_every_index_with_their_rendered_env(rendered, overlay, tmp_path):
+    """What each vLLM sidecar execs, computed as the pod computes it: its own env (not the worker's),
+    the recipe ConfigMap, every completion index."""
+    js = _jobset(rendered[overlay])
+    cms = {d["metadata"]["name"]: d["data"] for d in rendered[overlay] if d["kind"] == "ConfigMap"}
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(cms["eagle-jobs-recipe"]["recipe.yaml"])
+    for stage in ("capture", "extract"):
+        job = _job(js, stage)
+        (sidecar,) = [c for c in job["template"]["spec"]["initContainers"] if c["name"] == "vllm"]
+        env = {k: v for ref in sidecar.get("envFrom", []) if "configMapRef" in ref
+               for k, v in cms[ref["configMapRef"]["name"]].items()}
+        env.update({e["name"]: e["value"] for e in sidecar.get("env", []) if "value" in e})
+        assert sidecar["command"] == ["eagle-jobs"] and sidecar["args"][0] == "serve-vllm"
+        for index in range(job.get("completions", 1)):
+            # the bucket itself is not what this checks: a local store stands in for it
+            run_env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), **env, "JOB_COMPLETION_INDEX": str(index),
+                       "EAGLE_JOBS_STORE": f"file://{tmp_path}/store", "HF_HUB_OFFLINE": "1"}
+            args = [a if a != "/etc/eagle-jobs/recipe.yaml" else str(recipe) for a in sidecar["args"]]
+            r = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", *args, "--dry-run"], env=run_env,
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, (overlay, stage, index, r.stderr[-800:])
+            cmd = shlex.split(r.stdout)
+            assert cmd[:2] == ["vllm", "serve"] and "--tensor-parallel-size" in cmd
+            if stage == "extract":
+                kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+                assert kv["kv_connector_extra_config"]["shared_storage_path"].endswith(f"-{index}")
+
+
+@pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
+def test_gpu_pods_land_on_the_product_and_ask_for_what_they_use(rendered, overlay):
+    from eagle_jobs.recipe import Recipe
+
+    js = _jobset(rendered[overlay])
+    cms = {d["metadata"]["name"]: d["data"] for d in rendered[overlay] if d["kind"] == "ConfigMap"}
+    recipe = Recipe.model_validate(yaml.safe_load(cms["eagle-jobs-recipe"]["recipe.yaml"]))
+    for st in STAGES:
+        terms = _pod(js, st)["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        keys = {e["key"] for t in terms for e in t["matchExpressions"]}
+        assert "nvidia.com/gpu.product" in keys and "nvidia.com/gpu.family" not in keys  # family: B200/B300 too
+    gpus = _pod(js, "train")["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    assert int(gpus) == recipe.train.nproc_per_node  # the smoke run trains on one rank: one GPU
+
+
+@pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
+def test_vllm_pods_keep_gpus_and_usage_stats_to_the_sidecar(rendered, overlay):
+    js = _jobset(rendered[overlay])
+    for st in ("capture", "extract", "evaluate"):
+        pod = _pod(js, st)
+        worker = pod["containers"][0]
+        assert "nvidia.com/gpu" not in worker.get("resources", {}).get("limits", {})
+        assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in worker["env"]
+        (sidecar,) = pod["initContainers"]
+        env = {e["name"]: e.get("value") for e in sidecar["env"]}
+        assert env["VLLM_NO_USAGE_STATS"] == "1" and env["DO_NOT_TRACK"] == "1"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_usage_errors_fail_the_job_instead_of_retrying(rendered, overlay):
+    js = _jobset(rendered[overlay])
+    for st in STAGES:
+        rules = _job(js, st)["podFailurePolicy"]["rules"]
+        fail = [r for r in rules if r["action"] in ("FailJob", "FailIndex")]
+        assert any(2 in r["onExitCodes"]["values"] and 3 in r["onExitCodes"]["values"] for r in fail), st

@@ -40,6 +40,9 @@ def test_end_to_end_and_reload_with_speculators(tiny_recipe, store_uri, tmp_path
     stage = Stage(st, "r", "train")
     assert stage.is_complete()
     assert [m["shard"] for m in stage.manifests()] == ["checkpoint-0000", "checkpoint-0001", "final"]
+    # committed epochs leave the pod's disk (8 GiB each at the Kimi shape); the newest one stays
+    local = [p.name for p in (tmp_path / "w").rglob("*") if p.is_dir() and p.name.isdigit() and not p.is_symlink()]
+    assert local == ["1"]
     final = download_final(st, "r", tmp_path / "final")
     tc = json.loads((final / "train_config.json").read_text())
     assert tc["samples"]["validation"] == 2 and tc["parameters"] == rec["parameters"]

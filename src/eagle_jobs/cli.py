@@ -7,6 +7,7 @@ eagle_jobs.errors.ExitCode (documented in docs/OPERATIONS.md#exit-codes).
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -200,7 +201,7 @@ def serve_vllm(recipe: RecipeOpt,
     r, st, rid = _context(recipe, store, run_id)
     cmd = stage_serve_command(r, stage, st, rid, shard_index)
     if dry_run:
-        print(" ".join(cmd))
+        print(shlex.join(cmd))
         return
     exe = executable(cmd[0])
     if exe is None:

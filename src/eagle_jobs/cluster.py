@@ -38,10 +38,17 @@ class WatchExit(IntEnum):
     TIMEOUT = 25  # --timeout passed before the pipeline finished
 
 
+# JobSet's webhook (pkg/webhooks/jobset_webhook.go, v0.8 to v0.12) checks the longest generated pod
+# name, <jobset>-<replicatedJob>-<jobIndex>-<podIndex>-<5 random>, as an RFC-1035 label of <= 63
+# characters: with "evaluate" (one Job, one pod) that leaves 63 - len("-evaluate-0-0-abcde") = 44.
+MAX_JOBSET_NAME = 44
+
+
 def jobset_name(run_id: str) -> str:
     name = re.sub(r"[^a-z0-9-]+", "-", f"eagle-jobs-{run_id}".lower()).strip("-")
-    if len(name) > 50:  # JobSet derives Job and pod names from it
-        raise BadInput(f"run id '{run_id}' is too long for a JobSet name (max 39 characters)")
+    if len(name) > MAX_JOBSET_NAME:
+        raise BadInput(f"run id '{run_id}' is too long for a JobSet name "
+                       f"(max {MAX_JOBSET_NAME - len('eagle-jobs-')} characters): JobSet's webhook would reject its pods")
     return name
 
 

@@ -23,13 +23,14 @@ def stage_serve_command(recipe: Recipe, stage: str, store: Store, run_id: str,
 
     from eagle_jobs import capture, evaluate, extract
     from eagle_jobs.committed import download_final
-    from eagle_jobs.sharding import resolve_worker
+    from eagle_jobs.sharding import worker_index
     from eagle_jobs.vllm_server import serve_command
 
     if stage == "capture":
         return serve_command(recipe.capture.vllm, recipe.verifier, capture.serve_args(recipe))
     if stage == "extract":
-        idx, _n = resolve_worker(shard_index, None)
+        # the worker's scratch needs only its index: the sidecar is not told the shard count
+        idx = worker_index(shard_index)
         return serve_command(recipe.extract.vllm, recipe.verifier, extract.serve_args(recipe, run_id, idx))
     if stage == "evaluate":
         draft = download_final(store, run_id, Path(os.environ.get("EAGLE_JOBS_WORK_DIR", "/tmp")) / "draft")

@@ -16,15 +16,21 @@ from eagle_jobs.errors import BadInput
 T = TypeVar("T")
 
 
+def worker_index(shard_index: int | None) -> int:
+    """The --shard-index flag, else the Indexed Job's JOB_COMPLETION_INDEX (set by Kubernetes), else 0."""
+    if shard_index is None:
+        env = os.environ.get("JOB_COMPLETION_INDEX")
+        shard_index = int(env) if env not in (None, "") else 0
+    return shard_index
+
+
 def resolve_worker(shard_index: int | None, num_shards: int | None) -> tuple[int, int]:
     """CLI flags win; inside an Indexed Job the defaults come from the Job itself.
 
     JOB_COMPLETION_INDEX is set by Kubernetes; the completion count has no
     standard variable, so our manifests copy `completions` into EAGLE_JOBS_NUM_SHARDS.
     """
-    if shard_index is None:
-        env = os.environ.get("JOB_COMPLETION_INDEX")
-        shard_index = int(env) if env not in (None, "") else 0
+    shard_index = worker_index(shard_index)
     if num_shards is None:
         env = os.environ.get("EAGLE_JOBS_NUM_SHARDS")
         num_shards = int(env) if env not in (None, "") else 1

@@ -151,6 +151,14 @@ def commit_checkpoint(stage: Stage, local: Path, epoch: int, local_step: int, ex
     console.print(f"  committed {name} (step {local_step or 'end'}) to {stage.store.url(stage.prefix)}")
 
 
+def prune_local_checkpoints(ckpt_dir: Path, committed: int) -> None:
+    """Once epoch `committed` is in the store, older local epochs are only disk: a Kimi-K2.5 draft's is
+    about 8 GiB, and ten of them would fill the pod's /work. The newest stays, for the final export."""
+    for p in ckpt_dir.iterdir():
+        if p.name.isdigit() and not p.is_symlink() and int(p.name) < committed:
+            shutil.rmtree(p)
+
+
 # -- the entry ------------------------------------------------------------------------
 # torchrun's own grace for its ranks after it is signalled (its default is 30 s): the
 # SIGTERM checkpoint save and its upload must fit, and all of it inside the pod's
@@ -363,6 +371,7 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
         (ckpt_dir / str(epoch) / "train_config.json").write_text(json.dumps(record, indent=1))
         (ckpt_dir / str(epoch) / "metrics.json").write_text(json.dumps(recorder.records))
         commit_checkpoint(stage, ckpt_dir, epoch, local_step, {"recipe_digest": recipe.train_digest()})
+        prune_local_checkpoints(ckpt_dir, epoch)
 
     trainer = compat.StoreTrainer(model, cfg, train_loader, val_loader, on_checkpoint=on_checkpoint)
     trainer.run_training()  # its CPU warning filters live in compat (adaptation 4)

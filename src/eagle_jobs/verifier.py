@@ -12,7 +12,6 @@ cached safetensors directory, so every later load is an ordinary HF load.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -20,13 +19,14 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from eagle_jobs.errors import BadInput
 from eagle_jobs.recipe import VerifierSpec
 
-NESTED_PREFIXES = ("language_model.",)
+# A nested multimodal checkpoint's text model, as its own class's keys: language_model.model.* and
+# language_model.lm_head.* (Kimi-K2.5), or the legacy language_model.layers.* without ".model.".
+TEXT_KEY_MAPPING = {r"^language_model\.(?!model\.|lm_head\.)": "model.", r"^language_model\.": ""}
 
 
 def cache_dir() -> Path:
@@ -98,34 +98,6 @@ def load_tokenizer(spec: VerifierSpec):
     return tok
 
 
-def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise BadInput(f"verifier {path}: no *.safetensors weights found")
-    return files
-
-
-def text_state_dict(path: Path, expected: set[str]) -> dict[str, torch.Tensor]:
-    """The text model's tensors, with nested `language_model.` keys mapped to flat ones."""
-    out: dict[str, torch.Tensor] = {}
-    for f in _weight_files(path):
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():
-                name = k
-                for p in NESTED_PREFIXES:
-                    if name.startswith(p):
-                        name = name[len(p):]
-                        # legacy Kimi layout: language_model.layers.* (no .model.)
-                        if not name.startswith(("model.", "lm_head.")):
-                            name = "model." + name
-                if name in expected:
-                    out[name] = sf.get_tensor(k)
-    return out
-
-
 @dataclass
 class LoadedVerifier:
     model: PreTrainedModel
@@ -169,19 +141,15 @@ def load_verifier_uncached(spec: VerifierSpec) -> LoadedVerifier:
 
             local = Path(snapshot_download(path, revision=spec.revision, allow_patterns=["*.json", "*.safetensors"]))
         tcfg._attn_implementation = "sdpa"  # noqa: SLF001
-        model = AutoModelForCausalLM.from_config(tcfg, dtype=dtype)
-        expected = set(model.state_dict().keys())
-        sd = text_state_dict(local, expected)
-        missing = expected - set(sd)
-        if getattr(tcfg, "tie_word_embeddings", False):
-            missing.discard("lm_head.weight")
+        # transformers' own loader with the prefix mapped away: it also fuses the checkpoint's
+        # per-expert MoE weights into its grouped layout; the vision tower's keys are left unread
+        model, info = AutoModelForCausalLM.from_pretrained(local, config=tcfg, key_mapping=TEXT_KEY_MAPPING,
+                                                           dtype=dtype, output_loading_info=True)
+        missing = set(info["missing_keys"])
         if missing:
             raise BadInput(
                 f"verifier {spec.model}: {len(missing)} text-model weights missing from the checkpoint "
                 f"(first: {sorted(missing)[0]}); is it the right model?"
             )
-        model.load_state_dict(sd, strict=False)
-        if getattr(tcfg, "tie_word_embeddings", False):
-            model.tie_weights()
     model.eval()
     return LoadedVerifier(model=model, tokenizer=tok, config=tcfg, path=path)
