@@ -13,7 +13,6 @@ import copy
 import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -203,8 +202,9 @@ def test_vllm_sidecar_probes_survive_a_1t_load(rendered, overlay):
     js = _jobset(rendered[overlay])
     for st in ("capture", "extract", "evaluate"):
         pod = _pod(js, st)
-        (side,) = pod["initContainers"]
-        assert side["restartPolicy"] == "Always" and side["args"][-2:] == ["--stage", st]
+        prepare, side = pod["initContainers"]
+        assert side["restartPolicy"] == "Always" and prepare["args"][:1] + prepare["args"][-4:-2] == [
+            "serve-vllm", "--stage", st]
         sp = side["startupProbe"]
         assert sp["httpGet"]["path"] == "/health"
         assert sp["periodSeconds"] * sp["failureThreshold"] >= 3600  # an hour or more to load
@@ -369,34 +369,73 @@ def _pod_specs(doc: dict) -> list[dict]:
     return []
 
 
+def _container_env(c: dict, cms: dict) -> dict:
+    env = {k: v for ref in c.get("envFrom", []) if "configMapRef" in ref for k, v in cms[ref["configMapRef"]["name"]].items()}
+    env.update({e["name"]: e["value"] for e in c.get("env", []) if "value" in e})
+    return env
+
+
 @pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
-def test_sidecar_serve_commands_for_every_index_with_their_rendered_env(rendered, overlay, tmp_path):
-    """What each vLLM sidecar execs, computed as the pod computes it: its own env (not the worker's),
-    the recipe ConfigMap, every completion index."""
+def test_vllm_pods_prepare_then_exec_the_command_for_every_index(rendered, overlay, tmp_path):
+    """What each vLLM sidecar runs, computed as the pod computes it: the prepare init container's args
+    with its own env (not the worker's), for every completion index; then the sidecar execs exactly that."""
     js = _jobset(rendered[overlay])
     cms = {d["metadata"]["name"]: d["data"] for d in rendered[overlay] if d["kind"] == "ConfigMap"}
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(cms["eagle-jobs-recipe"]["recipe.yaml"])
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "recipe.yaml").write_text(cms["eagle-jobs-recipe"]["recipe.yaml"])
+    bindir = tmp_path / "bin"  # a `vllm` that prints what it was exec'd with
+    bindir.mkdir()
+    (bindir / "vllm").write_text('#!/bin/sh\nprintf "%s\\n" "$0" "$@"\n')
+    (bindir / "vllm").chmod(0o755)
+
+    def paths(args):  # the pod's mounts, here
+        return [a.replace("/etc/eagle-jobs", str(tmp_path / "etc")).replace("/work", str(tmp_path / "work"))
+                for a in args]
+
     for stage in ("capture", "extract"):
         job = _job(js, stage)
-        (sidecar,) = [c for c in job["template"]["spec"]["initContainers"] if c["name"] == "vllm"]
-        env = {k: v for ref in sidecar.get("envFrom", []) if "configMapRef" in ref
-               for k, v in cms[ref["configMapRef"]["name"]].items()}
-        env.update({e["name"]: e["value"] for e in sidecar.get("env", []) if "value" in e})
-        assert sidecar["command"] == ["eagle-jobs"] and sidecar["args"][0] == "serve-vllm"
+        names = [c["name"] for c in job["template"]["spec"]["initContainers"]]
+        assert names == ["prepare", "vllm"]  # regular first: it must succeed before vLLM starts
+        prepare, sidecar = job["template"]["spec"]["initContainers"]
+        assert "restartPolicy" not in prepare and sidecar["restartPolicy"] == "Always"
+        assert prepare["args"][0] == "serve-vllm" and sidecar["args"][0] == "exec-vllm"
         for index in range(job.get("completions", 1)):
+            (tmp_path / "work").mkdir(exist_ok=True)
             # the bucket itself is not what this checks: a local store stands in for it
-            run_env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), **env, "JOB_COMPLETION_INDEX": str(index),
-                       "EAGLE_JOBS_STORE": f"file://{tmp_path}/store", "HF_HUB_OFFLINE": "1"}
-            args = [a if a != "/etc/eagle-jobs/recipe.yaml" else str(recipe) for a in sidecar["args"]]
-            r = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", *args, "--dry-run"], env=run_env,
+            run_env = {"PATH": f"{bindir}:{os.environ['PATH']}", "HOME": str(tmp_path), **_container_env(prepare, cms),
+                       "JOB_COMPLETION_INDEX": str(index), "EAGLE_JOBS_STORE": f"file://{tmp_path}/store",
+                       "HF_HUB_OFFLINE": "1"}
+            r = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", *paths(prepare["args"])], env=run_env,
                                capture_output=True, text=True, timeout=120)
             assert r.returncode == 0, (overlay, stage, index, r.stderr[-800:])
-            cmd = shlex.split(r.stdout)
-            assert cmd[:2] == ["vllm", "serve"] and "--tensor-parallel-size" in cmd
+            run_env = {**run_env, **_container_env(sidecar, cms)}
+            r = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", *paths(sidecar["args"])], env=run_env,
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, (overlay, stage, index, r.stderr[-800:])
+            cmd = r.stdout.splitlines()
+            assert cmd[0] == str(bindir / "vllm") and cmd[1] == "serve" and "--tensor-parallel-size" in cmd
             if stage == "extract":
                 kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
                 assert kv["kv_connector_extra_config"]["shared_storage_path"].endswith(f"-{index}")
+
+
+@pytest.mark.parametrize("overlay", ["smoke", "full"])
+def test_a_bad_recipe_fails_the_prepare_container_and_the_job(rendered, overlay, tmp_path):
+    """A check that fails before vLLM starts exits 3 in a regular init container: the pod fails, and
+    podFailurePolicy fails the Job (a restartable sidecar exiting 3 would only crash-loop)."""
+    js = _jobset(rendered[overlay])
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "recipe.yaml").write_text("name: x\nverifier: {model: m}\n")  # no prompts, no aux ids
+    for stage in ("capture", "extract", "evaluate"):
+        job = _job(js, stage)
+        prepare = job["template"]["spec"]["initContainers"][0]
+        args = [a.replace("/etc/eagle-jobs", str(tmp_path / "etc")) for a in prepare["args"]]
+        r = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", *args], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "EAGLE_JOBS_STORE": f"file://{tmp_path}/store"})
+        assert r.returncode == 3 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        rule = next(rl for rl in job["podFailurePolicy"]["rules"]
+                    if rl.get("onExitCodes", {}).get("containerName") == "prepare" and 3 in rl["onExitCodes"]["values"])
+        assert rule["action"] == ("FailIndex" if stage == "extract" else "FailJob")
 
 
 @pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
@@ -422,7 +461,7 @@ def test_vllm_pods_keep_gpus_and_usage_stats_to_the_sidecar(rendered, overlay):
         worker = pod["containers"][0]
         assert "nvidia.com/gpu" not in worker.get("resources", {}).get("limits", {})
         assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in worker["env"]
-        (sidecar,) = pod["initContainers"]
+        (sidecar,) = [c for c in pod["initContainers"] if c["name"] == "vllm"]
         env = {e["name"]: e.get("value") for e in sidecar["env"]}
         assert env["VLLM_NO_USAGE_STATS"] == "1" and env["DO_NOT_TRACK"] == "1"
 

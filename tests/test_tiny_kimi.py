@@ -69,3 +69,15 @@ def test_wrapper_files_and_tokens_vllm_reads(tiny_kimi):
     tok = AutoTokenizer.from_pretrained(str(tiny_kimi))
     for t in ("<think>", "</think>", "<|media_pad|>", "<|media_begin|>", "<|media_end|>"):
         assert tok.convert_tokens_to_ids(t) != tok.unk_token_id and len(tok.encode(t, add_special_tokens=False)) == 1
+
+
+def test_draft_takes_its_verifier_embeddings_from_the_nested_checkpoint(tiny_recipe, tiny_kimi):
+    """speculators reads embed_tokens and the lm_head from the verifier checkpoint itself."""
+    from conftest import draft_and_batch
+
+    (draft,), _batch, _kw = draft_and_batch(tiny_recipe(), "sdpa")
+    sd = _tensors(tiny_kimi)
+    torch.testing.assert_close(draft.embed_tokens.weight.float(),
+                               sd["language_model.model.embed_tokens.weight"].float(), rtol=0, atol=0)
+    head = sd["language_model.lm_head.weight"]
+    torch.testing.assert_close(draft.verifier_lm_head.weight.float(), head[draft.t2d].float(), rtol=0, atol=0)

@@ -6,6 +6,7 @@ eagle_jobs.errors.ExitCode (documented in docs/OPERATIONS.md#exit-codes).
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
@@ -14,7 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from eagle_jobs.errors import EagleJobsError, ExitCode, Unavailable
+from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode, Unavailable
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train EAGLE-3 drafts for very large verifiers: capture -> extract -> train -> evaluate.")
@@ -193,19 +194,43 @@ def _store_or_none(uri: str | None):
 def serve_vllm(recipe: RecipeOpt,
                stage: Annotated[str, typer.Option(help="capture, extract or evaluate")],
                store: StoreOpt = None, run_id: RunOpt = None, shard_index: IndexOpt = None,
-               dry_run: Annotated[bool, typer.Option(help="print the command instead of running it")] = False):
-    """Exec `vllm serve` with exactly the arguments a stage needs (the pod's vLLM sidecar)."""
+               dry_run: Annotated[bool, typer.Option(help="print the command instead of running it")] = False,
+               write: Annotated[Optional[Path], typer.Option(
+                   help="write the command as JSON for `exec-vllm` instead of running it")] = None):
+    """Exec `vllm serve` with exactly the arguments a stage needs.
+
+    In a pod, `--write` runs in a regular init container: every check that can fail (recipe, store,
+    the draft's download) fails there, with its exit code, before vLLM's restartable sidecar starts.
+    """
     from eagle_jobs.pipeline import stage_serve_command
-    from eagle_jobs.vllm_server import executable
 
     r, st, rid = _context(recipe, store, run_id)
     cmd = stage_serve_command(r, stage, st, rid, shard_index)
     if dry_run:
         print(shlex.join(cmd))
-        return
+    elif write is not None:
+        tmp = write.with_name(write.name + ".tmp")
+        tmp.write_text(json.dumps(cmd))
+        os.replace(tmp, write)  # the sidecar never reads half a command
+    else:
+        _exec(cmd)
+
+
+@app.command("exec-vllm")
+def exec_vllm(command_file: Annotated[Path, typer.Argument(help="what `serve-vllm --write` wrote")]):
+    """The pod's vLLM sidecar: exec the prepared `vllm serve` command, with nothing left to check."""
+    if not command_file.is_file():
+        raise BadInput(f"exec-vllm: {command_file} not found: the prepare init container writes it "
+                       "(serve-vllm --write); check the pod's initContainers")
+    _exec(json.loads(command_file.read_text()))
+
+
+def _exec(cmd: list[str]) -> None:
+    from eagle_jobs.vllm_server import executable
+
     exe = executable(cmd[0])
     if exe is None:
-        raise Unavailable("vllm is not installed in this image: serve-vllm runs in the vLLM sidecar")
+        raise Unavailable("vllm is not installed in this image: the vLLM sidecar runs it")
     os.execv(exe, cmd)
 
 
