@@ -473,3 +473,14 @@ def test_usage_errors_fail_the_job_instead_of_retrying(rendered, overlay):
         rules = _job(js, st)["podFailurePolicy"]["rules"]
         fail = [r for r in rules if r["action"] in ("FailJob", "FailIndex")]
         assert any(2 in r["onExitCodes"]["values"] and 3 in r["onExitCodes"]["values"] for r in fail), st
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_stage_out_of_retries_is_restarted_and_bad_input_fails_the_run(rendered, overlay):
+    fp = _jobset(rendered[overlay])["spec"]["failurePolicy"]
+    assert fp["maxRestarts"] >= 1
+    by_reason = {reason: r["action"] for r in fp["rules"] for reason in r["onJobFailureReasons"]}
+    assert by_reason["BackoffLimitExceeded"] == by_reason["DeadlineExceeded"] == "RestartJob"
+    assert by_reason["PodFailurePolicy"] == by_reason["FailedIndexes"] == "FailJobSet"
+    names = [r["name"] for r in fp["rules"]]  # the webhook's rule-name pattern
+    assert all(re.match(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", n) for n in names)
