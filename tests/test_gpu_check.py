@@ -36,3 +36,15 @@ def test_gpu_bundle_pins_what_make_venv_installs():
             if line and not line.startswith("#")]
     assert len(pins) >= 10 and ["speculators", "0.9.0"] in pins
     assert {name: importlib.metadata.version(name) for name, _ in pins} == dict(pins)
+
+
+def test_gpu_bundle_pins_are_the_locked_versions():
+    """make venv installs through requirements/constraints.txt; the GPU bundle must name the same versions,
+    or a PyPI release between two installs splits them (a CI run once resolved openai 3.60.0 against 3.57.0)."""
+    def pins(path):
+        return {name.lower().replace("_", "-"): version for name, version in
+                (line.split("==") for line in (REPO / path).read_text().splitlines()
+                 if line and not line.startswith("#"))}
+
+    locked, bundle = pins("requirements/constraints.txt"), pins("benchmarks/gpu-requirements.txt")
+    assert {name: locked.get(name) for name in bundle} == bundle
