@@ -26,6 +26,8 @@ OVERLAYS = ["dev", "smoke", "full", "full-multinode"]
 OLDEST_K8S = "1.33.0"
 RECIPES = {"dev": "demo-transformers", "smoke": "kimi-k2.5-smoke", "full": "kimi-k2.5", "full-multinode": "kimi-k2.5"}
 STAGES = ["capture", "extract", "train", "evaluate"]
+# the GPU overlays stream the verifier from the store's mirror, made by a first stage (components/verifier-mirror)
+MIRRORED = {"dev": False, "smoke": True, "full": True, "full-multinode": True}
 
 
 def _crd_path() -> Path:
@@ -112,7 +114,7 @@ def test_jobset_matches_crd_schema(rendered, overlay):
 def test_pipeline_shape(rendered, overlay):
     js = _jobset(rendered[overlay])
     rjs = js["spec"]["replicatedJobs"]
-    assert [r["name"] for r in rjs] == STAGES
+    assert [r["name"] for r in rjs] == ["mirror"] * MIRRORED[overlay] + STAGES
     assert rjs[0].get("dependsOn") is None
     for prev, r in zip(rjs, rjs[1:]):
         assert r["dependsOn"] == [{"name": prev["name"], "status": "Complete"}]
@@ -177,7 +179,7 @@ def test_security_context_restricted(rendered, overlay):
     for d in rendered[overlay]:
         pods = []
         if d["kind"] == "JobSet":
-            pods = [_pod(d, st) for st in STAGES]
+            pods = [_pod(d, rj["name"]) for rj in d["spec"]["replicatedJobs"]]
         elif d["kind"] == "Deployment":
             pods = [d["spec"]["template"]["spec"]]
         for pod in pods:
@@ -324,12 +326,23 @@ def webhook_name_problems(js: dict) -> list[str]:
     for n in names:
         if len(n) > 63 or not RFC1035.match(n):
             bad.append(n)
+    # the same webhook: a replicatedJob depends only on one listed before it
+    seen: set[str] = set()
+    for rj in js["spec"]["replicatedJobs"]:
+        bad += [f"{rj['name']} cannot depend on {d['name']}" for d in rj.get("dependsOn") or [] if d["name"] not in seen]
+        seen.add(rj["name"])
     return bad
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_jobset_webhook_admits_the_generated_names(rendered, overlay):
-    assert webhook_name_problems(_jobset(rendered[overlay])) == []
+    js = _jobset(rendered[overlay])
+    assert webhook_name_problems(js) == []
+    if MIRRORED[overlay]:  # the mirror stage must come first: appended, capture would depend on a later job
+        moved = copy.deepcopy(js)
+        rjs = moved["spec"]["replicatedJobs"]
+        rjs.append(rjs.pop(0))
+        assert webhook_name_problems(moved) == ["capture cannot depend on mirror"]
 
 
 def test_jobset_name_at_its_limit_is_admitted_and_one_more_is_refused(rendered):
@@ -376,11 +389,26 @@ def _container_env(c: dict, cms: dict) -> dict:
 
 
 @pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
-def test_vllm_pods_prepare_then_exec_the_command_for_every_index(rendered, overlay, tmp_path):
+def test_vllm_pods_prepare_then_exec_the_command_for_every_index(rendered, overlay, tmp_path, moto_server):
     """What each vLLM sidecar runs, computed as the pod computes it: the prepare init container's args
-    with its own env (not the worker's), for every completion index; then the sidecar execs exactly that."""
+    with its own env (not the worker's), for every completion index; then the sidecar execs exactly that:
+    the verifier streamed from the store's mirror (moto stands in for the bucket, the AWS_* of the
+    Secret come from its fixture)."""
     js = _jobset(rendered[overlay])
     cms = {d["metadata"]["name"]: d["data"] for d in rendered[overlay] if d["kind"] == "ConfigMap"}
+    from eagle_jobs.recipe import Recipe
+    from eagle_jobs.store import Store
+
+    verifier = Recipe.model_validate(yaml.safe_load(cms["eagle-jobs-recipe"]["recipe.yaml"])).verifier
+    mirror = Store.open(verifier.weights)
+    import boto3
+
+    try:
+        boto3.client("s3").create_bucket(Bucket=mirror.root.split("/")[0])
+    except Exception as e:  # noqa: BLE001 - made by an earlier parameter of this test
+        assert "BucketAlreadyOwnedByYou" in str(e)
+    mirror.put_json("MIRROR.json", {"model": verifier.model, "revision": verifier.revision, "files": {}, "bytes": 0})
+    secret = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
     (tmp_path / "etc").mkdir()
     (tmp_path / "etc" / "recipe.yaml").write_text(cms["eagle-jobs-recipe"]["recipe.yaml"])
     bindir = tmp_path / "bin"  # a `vllm` that prints what it was exec'd with
@@ -402,7 +430,7 @@ def test_vllm_pods_prepare_then_exec_the_command_for_every_index(rendered, overl
         for index in range(job.get("completions", 1)):
             (tmp_path / "work").mkdir(exist_ok=True)
             # the bucket itself is not what this checks: a local store stands in for it
-            run_env = {"PATH": f"{bindir}:{os.environ['PATH']}", "HOME": str(tmp_path), **_container_env(prepare, cms),
+            run_env = {"PATH": f"{bindir}:{os.environ['PATH']}", "HOME": str(tmp_path), **secret, **_container_env(prepare, cms),
                        "JOB_COMPLETION_INDEX": str(index), "EAGLE_JOBS_STORE": f"file://{tmp_path}/store",
                        "HF_HUB_OFFLINE": "1"}
             r = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", *paths(prepare["args"])], env=run_env,
@@ -414,6 +442,10 @@ def test_vllm_pods_prepare_then_exec_the_command_for_every_index(rendered, overl
             assert r.returncode == 0, (overlay, stage, index, r.stderr[-800:])
             cmd = r.stdout.splitlines()
             assert cmd[0] == str(bindir / "vllm") and cmd[1] == "serve" and "--tensor-parallel-size" in cmd
+            # the weights come from the mirror, each GPU streaming its slice; nothing names the hub
+            assert cmd[2] == verifier.weights and cmd[cmd.index("--load-format") + 1] == "runai_streamer"
+            assert json.loads(cmd[cmd.index("--model-loader-extra-config") + 1]) == {"distributed": True}
+            assert cmd[cmd.index("--served-model-name") + 1] == verifier.model
             if stage == "extract":
                 kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
                 assert kv["kv_connector_extra_config"]["shared_storage_path"].endswith(f"-{index}")
@@ -469,7 +501,7 @@ def test_vllm_pods_keep_gpus_and_usage_stats_to_the_sidecar(rendered, overlay):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_usage_errors_fail_the_job_instead_of_retrying(rendered, overlay):
     js = _jobset(rendered[overlay])
-    for st in STAGES:
+    for st in [rj["name"] for rj in js["spec"]["replicatedJobs"]]:
         rules = _job(js, st)["podFailurePolicy"]["rules"]
         fail = [r for r in rules if r["action"] in ("FailJob", "FailIndex")]
         assert any(2 in r["onExitCodes"]["values"] and 3 in r["onExitCodes"]["values"] for r in fail), st
@@ -484,3 +516,88 @@ def test_a_stage_out_of_retries_is_restarted_and_bad_input_fails_the_run(rendere
     assert by_reason["PodFailurePolicy"] == by_reason["FailedIndexes"] == "FailJobSet"
     names = [r["name"] for r in fp["rules"]]  # the webhook's rule-name pattern
     assert all(re.match(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", n) for n in names)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pod_requests_the_disk_its_volumes_may_fill(rendered, overlay):
+    """The scheduler places pods by ephemeral-storage requests; an emptyDir over its sizeLimit is evicted
+    without a DisruptionTarget condition, so each eviction burns a retry (k8s-review B3)."""
+    def gib(q: str) -> float:
+        return float(q[:-2]) * {"Gi": 1, "Mi": 1 / 1024, "Ti": 1024}[q[-2:]]
+
+    for d in rendered[overlay]:
+        for pod in _pod_specs(d):
+            disk = sum(gib(v["emptyDir"]["sizeLimit"]) for v in pod.get("volumes", [])
+                       if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory")
+            running = pod["containers"] + [c for c in pod.get("initContainers", []) if c.get("restartPolicy") == "Always"]
+            asked = sum(gib(c.get("resources", {}).get("requests", {}).get("ephemeral-storage", "0Gi")) for c in running)
+            assert asked >= disk > 0, (overlay, d["metadata"]["name"], asked, disk)
+
+
+@pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
+def test_no_other_pod_reaches_the_vllm_port_and_training_still_rendezvous(rendered, overlay):
+    js = _jobset(rendered[overlay])
+    (pol,) = [d for d in rendered[overlay] if d["kind"] == "NetworkPolicy"]
+    assert pol["metadata"]["namespace"] == js["metadata"]["namespace"]
+    assert pol["spec"]["policyTypes"] == ["Ingress"] and pol["spec"]["ingress"] == []
+
+    def selected(labels: dict) -> bool:  # matchExpressions, operator In, as the API server evaluates them
+        sel = pol["spec"]["podSelector"]
+        return all(labels.get(k) == v for k, v in sel.get("matchLabels", {}).items()) and all(
+            labels.get(e["key"]) in e["values"] for e in sel.get("matchExpressions", []))
+
+    for rj in js["spec"]["replicatedJobs"]:
+        tpl = rj["template"]["spec"]["template"]
+        serves = any(c["name"] == "vllm" for c in tpl["spec"].get("initContainers", []))
+        assert selected(tpl["metadata"]["labels"]) == serves, rj["name"]  # train's rendezvous stays open
+
+
+@pytest.mark.parametrize("overlay", ["smoke", "full"])
+def test_the_mirror_stage_copies_the_pinned_revision_into_the_store(rendered, overlay, tmp_path):
+    """The mirror pod's command with its rendered env, on a recipe whose model is a local directory
+    (no hub here): files land under verifier.weights, MIRROR.json last, and a second run copies nothing."""
+    js = _jobset(rendered[overlay])
+    pod = _pod(js, "mirror")
+    (c,) = pod["containers"]
+    assert c["image"] == _pod(js, "train")["containers"][0]["image"]  # no vLLM needed to copy files
+    assert "nvidia.com/gpu" not in c["resources"]["limits"] and "affinity" not in pod
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\0" * 4096)
+    cms = {d["metadata"]["name"]: d["data"] for d in rendered[overlay] if d["kind"] == "ConfigMap"}
+    recipe = yaml.safe_load(cms["eagle-jobs-recipe"]["recipe.yaml"])
+    recipe["verifier"].update(model=str(model), weights=f"file://{tmp_path}/store/models/m")
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    args = [a.replace("/etc/eagle-jobs", str(tmp_path / "etc")) for a in c["args"]]
+    env = {**os.environ, **_container_env(c, cms), "HOME": str(tmp_path), "TMPDIR": str(tmp_path),
+           "EAGLE_JOBS_CACHE": str(tmp_path / "cache"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "HF_HOME": str(tmp_path / "cache")}
+    for expect in ("2 files copied", "already in"):
+        r = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", *args], capture_output=True, text=True,
+                           env=env, timeout=120)
+        assert r.returncode == 0 and expect in r.stdout, r.stderr
+    manifest = json.loads((tmp_path / "store/models/m/MIRROR.json").read_text())
+    assert manifest["files"] == {"config.json": 2, "model.safetensors": 4096}
+
+
+
+def test_operations_node_sizes_are_the_rendered_requests(rendered):
+    """docs/OPERATIONS.md#node-sizes says what a node must have; it stays equal to what `full` asks for."""
+    text = (REPO / "docs/OPERATIONS.md").read_text()
+    rows = re.findall(r"^\| (\w+) \| (\d+) \| (\d+) \| (\d+) GiB \| (\d+) \| (\d+) GiB \|$", text, re.M)
+
+    def q(v) -> float:
+        v = str(v)
+        return float(v[:-2]) * {"Gi": 1, "Mi": 1 / 1024}[v[-2:]] if v[-2:] in ("Gi", "Mi") else float(v)
+
+    js = _jobset(rendered["full"])
+    want = {}
+    for rj in js["spec"]["replicatedJobs"]:
+        pod = rj["template"]["spec"]["template"]["spec"]
+        run = pod["containers"] + [c for c in pod.get("initContainers", []) if c.get("restartPolicy") == "Always"]
+        tot = [sum(q(c["resources"]["requests"].get(k, 0)) for c in run)
+               for k in ("cpu", "memory", "nvidia.com/gpu", "ephemeral-storage")]
+        want[rj["name"]] = (rj["template"]["spec"]["completions"], *tot)
+    assert {r[0]: tuple(float(x) for x in r[1:]) for r in rows} == {k: tuple(map(float, v)) for k, v in want.items()}

@@ -190,6 +190,18 @@ def _store_or_none(uri: str | None):
     return st
 
 
+@app.command("mirror-verifier")
+def mirror_verifier(recipe: RecipeOpt):
+    """Copy the verifier at its pinned revision into verifier.weights, once (resumable; a no-op when done).
+
+    Every vLLM pod then streams the weights from the store instead of downloading them from the hub.
+    """
+    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.weights import mirror
+
+    mirror(load_recipe(recipe).verifier)
+
+
 @app.command("serve-vllm")
 def serve_vllm(recipe: RecipeOpt,
                stage: Annotated[str, typer.Option(help="capture, extract or evaluate")],
@@ -203,17 +215,19 @@ def serve_vllm(recipe: RecipeOpt,
     the draft's download) fails there, with its exit code, before vLLM's restartable sidecar starts.
     """
     from eagle_jobs.pipeline import stage_serve_command
+    from eagle_jobs.vllm_server import serve_env
 
     r, st, rid = _context(recipe, store, run_id)
     cmd = stage_serve_command(r, stage, st, rid, shard_index)
+    env = {k: v for k, v in serve_env(r.verifier, dict(os.environ)).items() if os.environ.get(k) != v}
     if dry_run:
-        print(shlex.join(cmd))
+        print(shlex.join([*(f"{k}={v}" for k, v in sorted(env.items())), *cmd]))
     elif write is not None:
         tmp = write.with_name(write.name + ".tmp")
-        tmp.write_text(json.dumps(cmd))
+        tmp.write_text(json.dumps({"argv": cmd, "env": env}))
         os.replace(tmp, write)  # the sidecar never reads half a command
     else:
-        _exec(cmd)
+        _exec(cmd, env)
 
 
 @app.command("exec-vllm")
@@ -222,16 +236,17 @@ def exec_vllm(command_file: Annotated[Path, typer.Argument(help="what `serve-vll
     if not command_file.is_file():
         raise BadInput(f"exec-vllm: {command_file} not found: the prepare init container writes it "
                        "(serve-vllm --write); check the pod's initContainers")
-    _exec(json.loads(command_file.read_text()))
+    prepared = json.loads(command_file.read_text())
+    _exec(prepared["argv"], prepared["env"])
 
 
-def _exec(cmd: list[str]) -> None:
+def _exec(cmd: list[str], env: dict[str, str]) -> None:
     from eagle_jobs.vllm_server import executable
 
     exe = executable(cmd[0])
     if exe is None:
         raise Unavailable("vllm is not installed in this image: the vLLM sidecar runs it")
-    os.execv(exe, cmd)
+    os.execve(exe, cmd, {**os.environ, **env})
 
 
 def main() -> None:

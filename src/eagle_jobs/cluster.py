@@ -112,19 +112,20 @@ def apply(api, docs: list[dict]) -> list[str]:
     from kubernetes import client
 
     core, apps, rbac = client.CoreV1Api(api), client.AppsV1Api(api), client.RbacAuthorizationV1Api(api)
-    custom = client.CustomObjectsApi(api)
+    custom, net = client.CustomObjectsApi(api), client.NetworkingV1Api(api)
     from kubernetes.client.exceptions import ApiException
 
     # No force: a CI submitter must not silently take over fields another manager owns.
     kw = {"field_manager": FIELD_MANAGER, "_content_type": APPLY}
+    # the NetworkPolicy before the JobSet: no vLLM port is ever open without it
     order = {"Namespace": 0, "ServiceAccount": 1, "Role": 1, "RoleBinding": 2, "ConfigMap": 2, "Service": 3,
-             "Deployment": 4, "JobSet": 9}
+             "NetworkPolicy": 3, "Deployment": 4, "JobSet": 9}
     done = []
     for d in sorted(docs, key=lambda d: order.get(d["kind"], 5)):
         kind, md = d["kind"], d["metadata"]
         name, ns = md["name"], md.get("namespace")
         try:
-            _apply_one(core, apps, rbac, custom, kind, name, ns, d, kw)
+            _apply_one(core, apps, rbac, custom, net, kind, name, ns, d, kw)
         except ApiException as e:
             msg = _status_message(e)
             if e.status == 409:
@@ -145,7 +146,7 @@ def _status_message(e) -> str:
         return str(e.reason)
 
 
-def _apply_one(core, apps, rbac, custom, kind, name, ns, d, kw) -> None:
+def _apply_one(core, apps, rbac, custom, net, kind, name, ns, d, kw) -> None:
     appliers = {  # kind -> the typed client's patch call (content type: apply)
         "Namespace": lambda: core.patch_namespace(name, d, **kw),
         "ServiceAccount": lambda: core.patch_namespaced_service_account(name, ns, d, **kw),
@@ -154,6 +155,7 @@ def _apply_one(core, apps, rbac, custom, kind, name, ns, d, kw) -> None:
         "Deployment": lambda: apps.patch_namespaced_deployment(name, ns, d, **kw),
         "Role": lambda: rbac.patch_namespaced_role(name, ns, d, **kw),
         "RoleBinding": lambda: rbac.patch_namespaced_role_binding(name, ns, d, **kw),
+        "NetworkPolicy": lambda: net.patch_namespaced_network_policy(name, ns, d, **kw),
         "JobSet": lambda: custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name, d, **kw),
     }
     if kind not in appliers:
@@ -193,7 +195,9 @@ def stage_states(api, namespace: str, run_id: str) -> dict:
         raise
     jobs = client.BatchV1Api(api).list_namespaced_job(
         namespace, label_selector=f"jobset.sigs.k8s.io/jobset-name={name}").items
-    stages: dict = {s: {"state": "Waiting"} for s in STAGES}
+    # the JobSet's own stages, in order: a verifier-mirror stage comes first where an overlay adds it
+    names = [rj["name"] for rj in (js.get("spec") or {}).get("replicatedJobs") or []] or STAGES
+    stages: dict = {s: {"state": "Waiting"} for s in names}
     for j in jobs:
         stage = (j.metadata.labels or {}).get("jobset.sigs.k8s.io/replicatedjob-name")
         if stage not in stages:
@@ -261,12 +265,12 @@ def print_status(states: dict, progress: dict | None) -> None:
     t = Table(title=f"{states['jobset']}: {states['state']}")
     for c in ("stage", "state", "pods ok/active/failed", "indexes done", "indexes failed", "store"):
         t.add_column(c)
-    for s in STAGES:
+    for s in states["stages"] or STAGES:
         x = states["stages"].get(s, {"state": "-"})
         p = (progress or {}).get(s, {})
         t.add_row(s, x["state"], f"{x.get('succeeded', 0)}/{x.get('active', 0)}/{x.get('failed', 0)}",
                   x.get("completed_indexes", ""), x.get("failed_indexes", ""),
-                  f"{p.get('committed_shards', '?')} shards{' , complete' if p.get('complete') else ''}")
+                  f"{p['committed_shards']} shards{' , complete' if p['complete'] else ''}" if p else "-")
     console.print(t)
 
 

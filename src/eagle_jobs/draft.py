@@ -115,7 +115,7 @@ def build_draft_model(shape: DraftShape, recipe: Recipe, text_cfg, attn_impl: st
 
     return Eagle3DraftModel.from_training_args(
         verifier_config=llama_layer_config(shape, recipe, text_cfg, attn_impl), t2d=t2d, d2t=d2t,
-        target_layer_ids=recipe.aux_layer_ids, verifier_name_or_path=resolve_path(recipe.verifier),
+        target_layer_ids=recipe.aux_layer_ids, verifier_name_or_path=resolve_path(recipe.verifier, "embeddings"),
         draft_vocab_size=shape.draft_vocab_size, norm_before_residual=recipe.draft.norm_before_residual,
         norm_before_fc=recipe.draft.norm_before_fc, norm_output=recipe.draft.norm_output,
         ttt_steps=recipe.train.ttt_steps, draft_attn_impl=attn_impl,

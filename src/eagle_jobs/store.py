@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -170,6 +171,31 @@ class Store:
             self._retry(f"multipart upload of {key}", lambda: self._multipart(p, data))
         else:
             self._retry(f"upload of {key}", lambda: self.fs.pipe_file(p, data))
+
+    def put_file(self, key: str, local: str | Path) -> None:
+        """Upload a local file without holding it in memory (a verifier shard is several GB).
+
+        S3 makes the object visible only when the (multipart) upload completes; on file:// a
+        temporary name is renamed, so readers see all of it or nothing either way.
+        """
+        p = self.path(key)
+        if not self.is_s3:
+            tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
+            Path(p).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(local, tmp)
+            os.replace(tmp, p)
+            return
+        self._retry(f"upload of {key}", lambda: self.fs.put_file(str(local), p))
+
+    def get_file(self, key: str, local: str | Path) -> None:
+        """Download an object to a local file, streamed, renamed into place when whole."""
+        tmp = Path(f"{local}.tmp-{uuid.uuid4().hex[:8]}")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._retry(f"download of {key}", lambda: self.fs.get_file(self.path(key), str(tmp)))
+            os.replace(tmp, local)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def _multipart(self, path: str, data: bytes) -> None:
         from fsspec.asyn import sync

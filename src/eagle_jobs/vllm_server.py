@@ -46,15 +46,34 @@ def wait_healthy(base: str, timeout_s: float, proc: subprocess.Popen | None = No
 def serve_command(spec: VllmServerSpec, verifier: VerifierSpec, stage_args: list[str] | None = None) -> list[str]:
     """`vllm serve ...` for a stage: the one definition the in-pod subprocess and the sidecar share.
 
-    0.0.0.0 because the kubelet probes the pod IP; no Service exposes the port (a later --host in
-    serve_args wins, as 127.0.0.1 does in the CPU recipes). On vLLM's CPU build the flags of
-    eagle_jobs.vllm_cpu come last.
+    0.0.0.0 because the kubelet probes the pod IP; the port is reachable only as the NetworkPolicy
+    allows (a later --host in serve_args wins, as 127.0.0.1 does in the CPU recipes). The model
+    argument says where the weights come from (eagle_jobs.weights: the hub at the pinned revision,
+    or the store's mirror). On vLLM's CPU build the flags of eagle_jobs.vllm_cpu come last.
     """
-    from eagle_jobs.verifier import resolve_path
+    from eagle_jobs.weights import serve_model_args
 
-    cmd = ["vllm", "serve", resolve_path(verifier), "--host", "0.0.0.0", "--port", str(spec.port), *spec.serve_args,
-           *(stage_args or [])]
+    args = [*spec.serve_args, *(stage_args or [])]
+    cmd = ["vllm", "serve", *serve_model_args(verifier, _tensor_parallel(args)), "--host", "0.0.0.0",
+           "--port", str(spec.port), *args]
     return cmd + vllm_cpu.serve_args() if vllm_cpu.is_cpu_build() else cmd
+
+
+def serve_env(verifier: VerifierSpec, env: dict[str, str]) -> dict[str, str]:
+    """The environment `vllm serve` runs with, in a stage's subprocess and in the pod's sidecar alike."""
+    from eagle_jobs.weights import serve_env as weights_env
+
+    env = weights_env(verifier, env)
+    return vllm_cpu.serve_env(env) if vllm_cpu.is_cpu_build() else env
+
+
+def _tensor_parallel(args: list[str]) -> int:
+    for i, a in enumerate(args):
+        if a in ("--tensor-parallel-size", "-tp") and i + 1 < len(args):
+            return int(args[i + 1])
+        if a.startswith("--tensor-parallel-size="):
+            return int(a.split("=", 1)[1])
+    return 1
 
 
 def executable(name: str) -> str | None:
@@ -83,9 +102,7 @@ def vllm_endpoint(spec: VllmServerSpec, verifier: VerifierSpec, stage_args: list
                           "in the recipe, or use the GPU image")
     cmd = serve_command(spec, verifier, stage_args)
     console.print(f"[bold]starting[/] {' '.join(cmd)}")
-    env = os.environ.copy()
-    if vllm_cpu.is_cpu_build():
-        env = vllm_cpu.serve_env(env)
+    env = serve_env(verifier, os.environ.copy())
     proc = subprocess.Popen([exe, *cmd[1:]], stdout=sys.stderr, stderr=sys.stderr, start_new_session=True, env=env)
     base = f"http://127.0.0.1:{spec.port}"
     try:
