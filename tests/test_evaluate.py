@@ -118,7 +118,7 @@ def test_prompt_file_with_no_usable_prompt(trained, tmp_path):
     recipe, st, _ = trained
     p = tmp_path / "empty.jsonl"
     p.write_text("")
-    with pytest.raises(BadInput, match="no usable prompt"):
+    with pytest.raises(BadInput, match="no usable conversation"):
         run_evaluate(recipe, st, "r", prompts=p)
 
 

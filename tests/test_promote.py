@@ -11,13 +11,18 @@ from eagle_jobs.store import Stage, Store
 from eagle_jobs.train import run_train
 
 
-def _with_tau(st, run, tau, prompts_sha=None):
-    """The same run's report with another tau: stands in for a better or worse retraining."""
+def _with_tau(st, run, tau, prompts_sha=None, **set_taus):
+    """The same run's report with another tau (on every set, or per set by name): stands in for a
+    better or worse retraining."""
     ev = Stage(st, run, "eval")
     m = ev.manifest("report")
     files = {f: ev.read(f, i) for f, i in m["files"].items()}
     rep = json.loads(files["report.json"])
     rep["acceptance_length"] = tau
+    for name, x in rep["prompt_sets"].items():
+        x["acceptance_length"] = set_taus.get(name, tau)
+        if prompts_sha:
+            x["prompts_sha256"] = prompts_sha
     if prompts_sha:
         rep["prompts_sha256"] = prompts_sha
     files["report.json"] = json.dumps(rep).encode()
@@ -25,14 +30,22 @@ def _with_tau(st, run, tau, prompts_sha=None):
 
 
 def test_promote_only_when_better_with_lineage(tiny_recipe, tmp_path, bucket):
-    recipe = tiny_recipe(train={"epochs": 1})
+    # the held-out split and a public benchmark set, each reported and compared on its own
+    recipe = tiny_recipe(train={"epochs": 1}, evaluate={"prompt_sets": {"humaneval": "pypi://humaneval"},
+                                                        "num_prompts": 2})
     st = Store.open(f"s3://{bucket}/runs")
     st.check()
     for run in ("a", "b"):
         run_capture(recipe, st, run)
         run_extract(recipe, st, run)
         run_train(recipe, st, run, work_dir=tmp_path / run)
-        run_evaluate(recipe, st, run)
+        rep = run_evaluate(recipe, st, run)
+    assert list(rep["prompt_sets"]) == ["validation", "humaneval"]  # the held-out split first
+    for x in rep["prompt_sets"].values():
+        assert x["num_prompts"] == 2 and len(x["per_position_acceptance"]) == 2
+        assert x["baseline_acceptance_length"] is not None and len(x["prompts_sha256"]) == 64
+    md = st.get("b/eval/data/report.md").decode()
+    assert "## τ per prompt set" in md and "| humaneval | `pypi://humaneval` | 2 |" in md
     dest = f"s3://{bucket}/runs/drafts/tiny"
     _with_tau(st, "a", 2.0)
     lin = promote(st, "a", dest)
@@ -53,6 +66,11 @@ def test_promote_only_when_better_with_lineage(tiny_recipe, tmp_path, bucket):
     _with_tau(st, "b", 1.995)
     assert promote(st, "b", dest, tolerance=0.01)["previous"] == "a"
     assert d.get_json("CURRENT.json")["run_id"] == "b"
+    # better on the held-out split but worse on a benchmark set: each set must hold up on its own
+    _with_tau(st, "a", 2.5, validation=2.5, humaneval=1.2)
+    with pytest.raises(EagleJobsError, match=r"tau\[humaneval\] 1.200 < promoted 'b'") as e:
+        promote(st, "a", dest)
+    assert e.value.code == ExitCode.NOT_BETTER and d.get_json("CURRENT.json")["run_id"] == "b"
     # other evaluation prompts cannot be compared
     _with_tau(st, "a", 3.0, prompts_sha="0" * 64)
     with pytest.raises(BadInput, match="other prompts"):

@@ -124,3 +124,13 @@ def test_too_many_bad_rows_fail_with_exit_3_after_listing_them(tiny_recipe, tmp_
     assert Store.open(recipe.store.uri).list("t/capture/manifests") == []  # nothing captured, nothing half-written
     ok = recipe.model_copy(update={"prompts": recipe.prompts.model_copy(update={"max_rejected_fraction": 0.1})})
     assert len(load_prompts(ok.prompts)) == 100
+
+
+def test_no_held_out_split_and_no_benchmark_set_is_refused_before_any_stage(tiny_recipe, monkeypatch):
+    from eagle_jobs import capture
+    from eagle_jobs.pipeline import run_pipeline
+
+    monkeypatch.setattr(capture, "run_capture", lambda *a, **k: pytest.fail("a stage started"))
+    recipe = tiny_recipe(prompts={"validation": 0})
+    with pytest.raises(BadInput, match="no prompts to measure on"):
+        run_pipeline(recipe, Store.open(recipe.store.uri), "t")

@@ -184,19 +184,38 @@ def speculative_generate(verifier, proposer: DraftProposer | None, aux_ids: list
 
 
 # -- prompts --------------------------------------------------------------------------------
-def eval_prompts(recipe: Recipe, prompts: Path | None) -> list[list[dict]]:
-    if prompts is not None:
-        convs = load_prompts(PromptSpec(source=str(prompts), validation=0))
-    else:
-        convs = [c for c in load_prompts(recipe.prompts) if c.split == "validation"]
-        if not convs:
-            raise BadInput("evaluate: the recipe's prompt set has no validation split; set prompts.validation or pass --prompts")
+def _first_turns(convs) -> list[list[dict]]:
     out = []
     for c in convs:  # the conversation up to its first user turn: what the verifier answers first
         first_user = next(i for i, m in enumerate(c.messages) if m["role"] == "user")
         out.append([dict(m) for m in c.messages[: first_user + 1] if m["role"] != "assistant"])
+    return out
+
+
+def eval_sets(recipe: Recipe, prompts: Path | None = None) -> dict[str, list[list[dict]]]:
+    """The named prompt sets τ is measured on, each on its own: the recipe's held-out validation split
+    and every evaluate.prompt_sets source (public benchmarks, held-out files); or only --prompts.
+    All are read and checked here, before any model loads."""
     n = recipe.evaluate.num_prompts
-    return out[:n] if n else out
+    if prompts is not None:
+        sets = {"prompts": _first_turns(load_prompts(PromptSpec(source=str(prompts), validation=0)))}
+    else:
+        sets = {}
+        val = [c for c in load_prompts(recipe.prompts, quiet=True) if c.split == "validation"]
+        if val:
+            sets["validation"] = _first_turns(val)
+        for name, source in recipe.evaluate.prompt_sets.items():
+            spec = PromptSpec(source=source, validation=0, max_rejected_fraction=recipe.prompts.max_rejected_fraction)
+            sets[name] = _first_turns(load_prompts(spec))
+        if not sets:
+            raise BadInput("evaluate: no prompts to measure on: the recipe's prompt set has no validation split "
+                           "and evaluate.prompt_sets is empty; set prompts.validation, add a set, or pass --prompts")
+    return {name: msgs[:n] if n else msgs for name, msgs in sets.items()}
+
+
+def eval_prompts(recipe: Recipe, prompts: Path | None) -> list[list[dict]]:
+    """The first set of eval_sets: --prompts, else the validation split, else the first named set."""
+    return next(iter(eval_sets(recipe, prompts).values()))
 
 
 # -- checks before any long work --------------------------------------------------------------
@@ -264,32 +283,41 @@ def serve_args(recipe: Recipe, draft_dir: Path) -> list[str]:
 
 
 def evaluate_vllm(recipe: Recipe, draft_dir: Path, prompts: list[list[dict]]) -> dict:
+    return evaluate_vllm_sets(recipe, draft_dir, {"prompts": prompts})["prompts"]
+
+
+def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict]]]) -> dict[str, dict]:
+    """One server for every set; each set's τ from the /metrics counters read before and after it."""
     import httpx
 
     from eagle_jobs.vllm_server import vllm_endpoint
 
     k = recipe.evaluate.num_speculative_tokens
+    out = {}
     with vllm_endpoint(recipe.evaluate.vllm, recipe.verifier, serve_args(recipe, draft_dir)) as base:
-        before = parse_spec_metrics(httpx.get(f"{base}/metrics", timeout=30).text)
         model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
-        tokens = 0
         kw = recipe.chat.template_kwargs()
-        with httpx.Client(timeout=recipe.evaluate.vllm.request_timeout_s) as c, \
-                stage_progress("evaluate (vllm)", len(prompts), "prompts") as advance:
-            for msgs in prompts:
-                body = {"model": model, "messages": msgs, "max_tokens": recipe.evaluate.max_new_tokens,
-                        "temperature": 0.0, **({"chat_template_kwargs": kw} if kw else {})}
-                r = c.post(f"{base}/v1/chat/completions", json=body)
-                r.raise_for_status()
-                n = r.json()["usage"]["completion_tokens"]
-                tokens += n
-                advance(1, n)
-        after = parse_spec_metrics(httpx.get(f"{base}/metrics", timeout=30).text)
-    drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
-    accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
-    per_pos = [(after["per_pos"].get(i, 0) - before["per_pos"].get(i, 0)) / drafts if drafts else 0.0 for i in range(k)]
-    return {"acceptance_length": 1 + accepted / drafts if drafts else 1.0, "per_position_acceptance": per_pos,
-            "rounds": int(drafts), "tokens_generated": tokens, "outputs": []}
+        for name, prompts in sets.items():
+            before = parse_spec_metrics(httpx.get(f"{base}/metrics", timeout=30).text)
+            tokens = 0
+            with httpx.Client(timeout=recipe.evaluate.vllm.request_timeout_s) as c, \
+                    stage_progress(f"evaluate (vllm): {name}", len(prompts), "prompts") as advance:
+                for msgs in prompts:
+                    body = {"model": model, "messages": msgs, "max_tokens": recipe.evaluate.max_new_tokens,
+                            "temperature": 0.0, **({"chat_template_kwargs": kw} if kw else {})}
+                    r = c.post(f"{base}/v1/chat/completions", json=body)
+                    r.raise_for_status()
+                    n = r.json()["usage"]["completion_tokens"]
+                    tokens += n
+                    advance(1, n)
+            after = parse_spec_metrics(httpx.get(f"{base}/metrics", timeout=30).text)
+            drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
+            accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
+            per_pos = [(after["per_pos"].get(i, 0) - before["per_pos"].get(i, 0)) / drafts if drafts else 0.0
+                       for i in range(k)]
+            out[name] = {"acceptance_length": 1 + accepted / drafts if drafts else 1.0, "per_position_acceptance": per_pos,
+                         "rounds": int(drafts), "tokens_generated": tokens, "outputs": []}
+    return out
 
 
 def teacher_forced_estimate(metrics: list[dict], k: int) -> float | None:
@@ -307,7 +335,7 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
                  output: Path | None = None) -> dict:
     from eagle_jobs.verifier import load_config
 
-    msgs = eval_prompts(recipe, prompts)  # bad prompt files fail here, before any model loads
+    sets = eval_sets(recipe, prompts)  # bad prompt files fail here, before any model loads
     work = Path(tempfile.mkdtemp(prefix="eagle-eval-"))
     draft_dir = download_final(store, run_id, work / "draft")
     draft_cfg = json.loads((draft_dir / "config.json").read_text())
@@ -319,15 +347,16 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
     train_cfg = json.loads((draft_dir / "train_config.json").read_text())
     metrics = json.loads((draft_dir / "metrics.json").read_text())
     k = recipe.evaluate.num_speculative_tokens
-    console.print(f"[bold]evaluate[/] {len(msgs)} prompts, k={k}, backend {recipe.evaluate.backend}")
+    console.print(f"[bold]evaluate[/] k={k}, backend {recipe.evaluate.backend}: "
+                  + ", ".join(f"{name} ({len(m)} prompts)" for name, m in sets.items()))
     if recipe.evaluate.backend == "transformers":
-        res = evaluate_transformers(recipe, draft_dir, msgs, untrained=False)
-        base = evaluate_transformers(recipe, draft_dir, msgs, untrained=True)
+        res = {name: evaluate_transformers(recipe, draft_dir, m, untrained=False) for name, m in sets.items()}
+        base = {name: evaluate_transformers(recipe, draft_dir, m, untrained=True) for name, m in sets.items()}
     else:
         import os
 
-        res = evaluate_vllm(recipe, draft_dir, msgs)
-        base = None
+        res = evaluate_vllm_sets(recipe, draft_dir, sets)
+        base = {}
         # The baseline needs a second server with the untrained draft: possible when this stage
         # starts vLLM itself, not when a sidecar serves the trained draft for the whole pod.
         if not (recipe.evaluate.vllm.endpoint or os.environ.get("EAGLE_JOBS_VLLM_ENDPOINT")):
@@ -336,21 +365,32 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
             untrained = work / "untrained-draft"
             load_draft(draft_dir, resolve_path(recipe.verifier, "embeddings"), untrained=True,
                        seed=recipe.train.seed).to(torch.bfloat16).save_pretrained(untrained)
-            base = evaluate_vllm(recipe, untrained, msgs)
+            base = evaluate_vllm_sets(recipe, untrained, sets)
+    per_set = {name: {
+        "acceptance_length": res[name]["acceptance_length"], "per_position_acceptance": res[name]["per_position_acceptance"],
+        "num_prompts": len(m), "tokens_generated": res[name]["tokens_generated"], "verifier_forwards": res[name]["rounds"],
+        "baseline_acceptance_length": base[name]["acceptance_length"] if name in base else None,
+        "baseline_per_position_acceptance": base[name]["per_position_acceptance"] if name in base else None,
+        "source": (str(prompts) if prompts else recipe.prompts.source if name == "validation"
+                   else recipe.evaluate.prompt_sets[name]),
+        # what `promote` compares: drafts are ranked only on the same prompts
+        "prompts_sha256": hashlib.sha256(json.dumps(m, sort_keys=True).encode()).hexdigest(),
+    } for name, m in sets.items()}
+    primary = next(iter(per_set))  # the held-out split when there is one
+    p = per_set[primary]
     report = {
-        "acceptance_length": res["acceptance_length"], "per_position_acceptance": res["per_position_acceptance"],
-        "num_speculative_tokens": k, "num_prompts": len(msgs), "tokens_generated": res["tokens_generated"],
-        "verifier_forwards": res["rounds"], "verifier": recipe.verifier.model,
+        "acceptance_length": p["acceptance_length"], "per_position_acceptance": p["per_position_acceptance"],
+        "num_speculative_tokens": k, "num_prompts": p["num_prompts"], "tokens_generated": p["tokens_generated"],
+        "verifier_forwards": p["verifier_forwards"], "verifier": recipe.verifier.model,
         "draft": store.url(Stage(store, run_id, "train").key("data/final")),
-        "baseline_acceptance_length": base["acceptance_length"] if base else None,
-        "baseline_per_position_acceptance": base["per_position_acceptance"] if base else None,
+        "baseline_acceptance_length": p["baseline_acceptance_length"],
+        "baseline_per_position_acceptance": p["baseline_per_position_acceptance"],
         "baseline_note": ("the same loop with an untrained draft (same shape, vocab mapping and verifier embeddings)"
                           if base else "not measured: the pod's vLLM sidecar serves only the trained draft"),
         "teacher_forced_estimate": teacher_forced_estimate(metrics, k),
         "teacher_forced_note": "1 + sum of training's last validation full_acc_i: an estimate, not a measurement",
-        "backend": recipe.evaluate.backend, "prompts": str(prompts) if prompts else "validation split",
-        # what `promote` compares: drafts are ranked only on the same prompts
-        "prompts_sha256": hashlib.sha256(json.dumps(msgs, sort_keys=True).encode()).hexdigest(),
+        "backend": recipe.evaluate.backend, "prompts": primary if not prompts else str(prompts),
+        "prompts_sha256": p["prompts_sha256"], "prompt_sets": per_set,
         "train": {k2: train_cfg.get(k2) for k2 in ("samples", "epochs", "total_steps", "parameters")},
         "run_id": run_id,
     }
@@ -368,6 +408,8 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
         stage.complete({"acceptance_length": report["acceptance_length"]})
         where = store.url(stage.key("data/report.md"))
     report["report_path"] = where
-    console.print(f"  tau = {report['acceptance_length']:.3f} (untrained draft: "
-                  f"{report['baseline_acceptance_length'] or float('nan'):.3f}); report: {where}")
+    for name, x in per_set.items():
+        console.print(f"  tau[{name}] = {x['acceptance_length']:.3f} on {x['num_prompts']} prompts (untrained draft: "
+                      f"{x['baseline_acceptance_length'] or float('nan'):.3f})", soft_wrap=True)
+    console.print(f"  report: {where}")
     return report

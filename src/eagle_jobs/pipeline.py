@@ -48,6 +48,10 @@ def run_pipeline(recipe: Recipe, store: Store, run_id: str, stages: list[str] | 
     unknown = [s for s in wanted if s not in STAGES]
     if unknown:
         raise BadInput(f"--stages: unknown stage(s) {unknown}; choose from {STAGES}")
+    if "evaluate" in wanted:
+        from eagle_jobs.evaluate import eval_sets
+
+        eval_sets(recipe)  # no held-out split and no benchmark set: refused now, not after training
     runners = {
         "capture": lambda: run_capture(recipe, store, run_id, 0, 1),
         "extract": lambda: run_extract(recipe, store, run_id, 0, 1),

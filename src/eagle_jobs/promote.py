@@ -57,14 +57,21 @@ def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
         current = dest.get_json("CURRENT.json")
     except FileNotFoundError:
         current = None
+    sets = {name: x for name, x in (report.get("prompt_sets") or {}).items()}
     if current is not None:
-        if current.get("prompts_sha256") != report.get("prompts_sha256"):
+        cur_sets = current.get("prompt_sets") or {}
+        same = {n for n in sets if n in cur_sets and cur_sets[n]["prompts_sha256"] == sets[n]["prompts_sha256"]}
+        if not same and current.get("prompts_sha256") != report.get("prompts_sha256"):
             raise BadInput(f"promote: '{run_id}' was evaluated on other prompts than the promoted "
                            f"'{current['run_id']}' ({report.get('prompts_sha256')} vs {current.get('prompts_sha256')}): "
-                           "evaluate both with the same --prompts file")
-        if tau + tolerance < current["acceptance_length"]:
-            msg = (f"promote: not promoted: tau {tau:.3f} < promoted '{current['run_id']}' "
-                   f"{current['acceptance_length']:.3f} - {tolerance}")
+                           "evaluate both with the same --prompts file or evaluate.prompt_sets")
+        # every prompt set both were measured on must hold up, each on its own
+        pairs = {n: (sets[n]["acceptance_length"], cur_sets[n]["acceptance_length"]) for n in sorted(same)} or \
+            {"prompts": (tau, current["acceptance_length"])}
+        worse = {n: p for n, p in pairs.items() if p[0] + tolerance < p[1]}
+        if worse:
+            msg = "promote: not promoted: " + "; ".join(
+                f"tau[{n}] {new:.3f} < promoted '{current['run_id']}' {old:.3f} - {tolerance}" for n, (new, old) in worse.items())
             raise EagleJobsError(msg, ExitCode.NOT_BETTER)
     prefix = f"versions/{run_id}"
     for f, info in final["files"].items():  # checkpoint objects, each checked against its manifest
@@ -80,12 +87,15 @@ def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
         "image_digests": image_digests or json.loads(os.environ.get("EAGLE_JOBS_IMAGE_DIGESTS", "{}")),
         "acceptance_length": tau, "per_position_acceptance": report["per_position_acceptance"],
         "prompts_sha256": report.get("prompts_sha256"), "report": dest.url(f"{prefix}/eval/report.md"),
+        "prompt_sets": {n: x["acceptance_length"] for n, x in sets.items()},
         "source": store.url(train.key("data/final")), "promoted_at": time.time(),
         "previous": current["run_id"] if current else None,
     }
     dest.put_json(f"{prefix}/lineage.json", lineage)
     dest.put_json("CURRENT.json", {"run_id": run_id, "version": dest.url(prefix), "acceptance_length": tau,
-                                   "prompts_sha256": report.get("prompts_sha256"), "lineage": dest.url(f"{prefix}/lineage.json")})
+                                   "prompts_sha256": report.get("prompts_sha256"), "lineage": dest.url(f"{prefix}/lineage.json"),
+                                   "prompt_sets": {n: {"acceptance_length": x["acceptance_length"],
+                                                       "prompts_sha256": x["prompts_sha256"]} for n, x in sets.items()}})
     console.print(f"promoted '{run_id}' (tau {tau:.3f}"
                   + (f", was {current['acceptance_length']:.3f} from '{current['run_id']}'" if current else "")
                   + f") to {dest.url(prefix)}")

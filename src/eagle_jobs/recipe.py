@@ -180,7 +180,10 @@ class EvaluateSpec(Section):
     backend: Literal["transformers", "vllm"] = "transformers"
     num_speculative_tokens: int = Field(default=3, gt=0)
     max_new_tokens: int = Field(default=128, gt=0)
-    num_prompts: int | None = Field(default=None, gt=0)
+    num_prompts: int | None = Field(default=None, gt=0)  # per prompt set
+    # More sets τ is measured on, each reported on its own beside the held-out validation split:
+    # name -> any prompt source (pypi://humaneval, a held-out file, s3://..., hf://...).
+    prompt_sets: dict[str, str] = Field(default_factory=dict)
     vllm: VllmServerSpec = VllmServerSpec()
 
 

@@ -86,8 +86,25 @@ def write_report(report: dict, metrics: list[dict]) -> dict[str, bytes]:
         f"| teacher-forced estimate (training metrics) | {tf:.3f} |" if tf is not None else "| teacher-forced estimate | n/a |",
         f"| per-position acceptance | {per} |", "",
         "tau = tokens per verifier forward, bonus token included (vLLM's 1 + accepted/drafts).", "",
+        *_per_set_table(report),
         "![training](training.png)", "", "![acceptance by position](acceptance.png)", "", "![tau](tau.png)", "",
     ]
     files["report.md"] = "\n".join(md).encode()
     files["report.json"] = json.dumps({k2: v for k2, v in report.items() if k2 != "outputs"}, indent=1).encode()
     return files
+
+
+def _per_set_table(report: dict) -> list[str]:
+    """τ on each prompt set on its own: drafts are compared set by set, as the field compares them."""
+    sets = report.get("prompt_sets") or {}
+    if not sets:
+        return []
+    rows = ["## τ per prompt set", "", "| set | source | prompts | τ | untrained τ | per-position acceptance |",
+            "|---|---|---|---|---|---|"]
+    for name, x in sets.items():
+        base = x.get("baseline_acceptance_length")
+        per = ", ".join(f"{p:.2f}" for p in x["per_position_acceptance"])
+        rows.append(f"| {name} | `{x['source']}` | {x['num_prompts']} | **{x['acceptance_length']:.3f}** | "
+                    f"{f'{base:.3f}' if base is not None else 'not run'} | {per} |")
+    return [*rows, ""]
+
