@@ -225,6 +225,55 @@ def test_resume_after_sigterm_mid_training(tiny_recipe, tmp_path, monkeypatch):
     assert loaded["state"] > 0 and loaded["lr"] > 0  # optimizer moments and scheduler position restored
     assert loaded["step"] == rec["steps_per_epoch"] + 2  # resumed mid-epoch 1 at step 2
     assert stage.is_complete()
+    # epoch 0 was validated before the kill: it still competes for final/
+    assert sorted(rec["selection"]["per_epoch"]) == ["0", "1", "2"]
+
+
+def test_the_epoch_with_the_best_held_out_tau_estimate_is_exported_not_the_lowest_loss():
+    from eagle_jobs.train import select_epoch
+
+    def val(epoch, *accs, loss):
+        return {"val": {**{f"full_acc_{i}_epoch": a for i, a in enumerate(accs)}, "loss_epoch": loss}, "epoch": epoch}
+
+    # the shape EAGLE-3 runs report: tau peaks at epoch 1 while the loss keeps falling
+    records = [{"train": {"loss_0": 3.0}, "epoch": 0}, val(0, 0.5, 0.2, 0.1, loss=3.0),
+               val(1, 0.7, 0.4, 0.2, loss=2.5), val(2, 0.6, 0.3, 0.1, loss=2.0), val(3, 0.7, 0.4, 0.2, loss=1.9)]
+    sel = select_epoch(records, 3, last=3)
+    assert sel["epoch"] == 1 and sel["tau_estimate"] == pytest.approx(2.3)  # the earliest of equals
+    assert sel["per_epoch"]["2"] == pytest.approx(2.0) and "not the lowest loss" in sel["by"]
+    assert select_epoch(records, 1, last=3)["epoch"] == 1
+    assert select_epoch([{"train": {}, "epoch": 0}], 3, last=4) == {
+        "epoch": 4, "by": "the last epoch: no held-out samples to measure on", "per_epoch": {}}
+
+
+def test_final_is_the_selected_epochs_checkpoint_fetched_back_from_the_store(tiny_recipe, tmp_path, monkeypatch):
+    """Local epochs are pruned once committed; an earlier best epoch comes back from the store for export."""
+    from safetensors.torch import load as load_st
+
+    from eagle_jobs import train
+
+    recipe = tiny_recipe(train={"epochs": 3})
+    st = _prepared(recipe, f"file://{tmp_path}/s")
+    chosen = {}
+
+    def first_epoch(records, k, last):
+        chosen["real"] = real(records, k, last)
+        return {**chosen["real"], "epoch": 0, "tau_estimate": chosen["real"]["per_epoch"]["0"]}
+
+    real = train.select_epoch
+    monkeypatch.setattr(train, "select_epoch", first_epoch)
+    rec = train.run_train(recipe, st, "r", work_dir=tmp_path / "w")
+    assert sorted(chosen["real"]["per_epoch"]) == ["0", "1", "2"] and rec["selection"]["epoch"] == 0
+    stage = Stage(st, "r", "train")
+    final, ckpt0, ckpt2 = (stage.manifest(n) for n in ("final", "checkpoint-0000", "checkpoint-0002"))
+    assert final["epoch"] == 0
+    weights = load_st(stage.read("final/model.safetensors", final["files"]["final/model.safetensors"]))
+    w0 = load_st(stage.read("checkpoint-0000/model.safetensors", ckpt0["files"]["checkpoint-0000/model.safetensors"]))
+    w2 = load_st(stage.read("checkpoint-0002/model.safetensors", ckpt2["files"]["checkpoint-0002/model.safetensors"]))
+    name = next(k for k in weights if "fc" in k)
+    assert torch.equal(weights[name].float(), w0[name].float()) and not torch.equal(w0[name], w2[name])
+    cfg = json.loads(stage.read("final/train_config.json", final["files"]["final/train_config.json"]))
+    assert cfg["selection"]["epoch"] == 0 and cfg["selection"]["last_epoch"] == 2
 
 
 def test_train_refuses_draft_with_other_aux_ids(tiny_recipe, tmp_path):

@@ -391,7 +391,7 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
         "teacher_forced_note": "1 + sum of training's last validation full_acc_i: an estimate, not a measurement",
         "backend": recipe.evaluate.backend, "prompts": primary if not prompts else str(prompts),
         "prompts_sha256": p["prompts_sha256"], "prompt_sets": per_set,
-        "train": {k2: train_cfg.get(k2) for k2 in ("samples", "epochs", "total_steps", "parameters")},
+        "train": {k2: train_cfg.get(k2) for k2 in ("samples", "epochs", "total_steps", "parameters", "selection")},
         "run_id": run_id,
     }
     from eagle_jobs.report import write_report

@@ -30,8 +30,8 @@ def write_report(report: dict, metrics: list[dict]) -> dict[str, bytes]:
     import matplotlib.pyplot as plt
 
     files: dict[str, bytes] = {}
-    # 1. training loss and per-step accuracy over steps
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    # 1. training loss and per-step accuracy over steps; the held-out tau estimate per epoch
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 3.6))
     for name, pts in sorted(_series(metrics, "loss").items()):
         if name in ("loss_sum", "loss_total"):
             continue
@@ -42,6 +42,14 @@ def write_report(report: dict, metrics: list[dict]) -> dict[str, bytes]:
         ax2.plot([p[0] for p in pts], [p[1] for p in pts], label=name)
     ax2.set(title="per-step accuracy (teacher forced)", xlabel="step", ylim=(0, 1))
     ax2.legend(fontsize=7)
+    sel = (report.get("train") or {}).get("selection") or {}
+    per_epoch = {int(e): v for e, v in (sel.get("per_epoch") or {}).items()}
+    if per_epoch:
+        ax3.plot(list(per_epoch), list(per_epoch.values()), marker="o")
+        ax3.plot([sel["epoch"]], [per_epoch[sel["epoch"]]], marker="*", markersize=14, color="tab:red",
+                 label=f"exported: epoch {sel['epoch']}")
+        ax3.legend(fontsize=7)
+    ax3.set(title="held-out tau estimate per epoch", xlabel="epoch")
     files["training.png"] = _png(fig)
     plt.close(fig)
     # 2. per-position acceptance, trained vs untrained
@@ -84,7 +92,9 @@ def write_report(report: dict, metrics: list[dict]) -> dict[str, bytes]:
         f"| acceptance length tau (k={k}, greedy chain) | **{report['acceptance_length']:.3f}** |",
         f"| untrained draft, same loop | {base:.3f} |" if base is not None else "| untrained draft | not run |",
         f"| teacher-forced estimate (training metrics) | {tf:.3f} |" if tf is not None else "| teacher-forced estimate | n/a |",
-        f"| per-position acceptance | {per} |", "",
+        f"| per-position acceptance | {per} |",
+        *([f"| checkpoint | epoch {sel['epoch']} of {sel.get('last_epoch', sel['epoch']) + 1}: {sel['by']} |"]
+          if (sel := (report.get("train") or {}).get("selection")) else []), "",
         "tau = tokens per verifier forward, bonus token included (vLLM's 1 + accepted/drafts).", "",
         *_per_set_table(report),
         "![training](training.png)", "", "![acceptance by position](acceptance.png)", "", "![tau](tau.png)", "",

@@ -128,8 +128,6 @@ def committed_checkpoints(stage: Stage) -> list[dict]:
 
 def restore_latest(stage: Stage, local: Path, recipe_digest: str) -> int | None:
     """Put the newest committed checkpoint where speculators' Trainer resumes from."""
-    from eagle_jobs.speculators_compat import import_checkpoint_dir
-
     ckpts = committed_checkpoints(stage)
     if not ckpts:
         return None
@@ -137,9 +135,37 @@ def restore_latest(stage: Stage, local: Path, recipe_digest: str) -> int | None:
     if m.get("recipe_digest") != recipe_digest:
         raise BadInput(f"run '{stage.run_id}' has checkpoints from another recipe (digest {m.get('recipe_digest')}, "
                        f"this one {recipe_digest}): use a new --run-id, or delete {stage.store.url(stage.prefix)}")
+    return restore_epoch(stage, local, m["epoch"])
+
+
+def restore_epoch(stage: Stage, local: Path, epoch: int) -> int:
+    from eagle_jobs.speculators_compat import import_checkpoint_dir
+
+    m = next(m for m in committed_checkpoints(stage) if m["epoch"] == epoch)
     objects = {f.split("/", 1)[1]: stage.read(f, info) for f, info in m["files"].items()}
-    import_checkpoint_dir(objects, local / str(m["epoch"]))
-    return m["epoch"]
+    import_checkpoint_dir(objects, local / str(epoch))
+    return epoch
+
+
+def select_epoch(records: list[dict], k: int, last: int) -> dict:
+    """The epoch whose checkpoint becomes final/: the best held-out τ estimate, not the lowest loss.
+
+    EAGLE-3 drafts peak after a few epochs and then lose τ while their loss keeps falling. Per epoch,
+    speculators' validation gives full_acc_i: the share of held-out positions whose first i+1 draft
+    tokens are all right, teacher forced; 1 + Σ_{i<k} full_acc_i estimates τ at k.
+    """
+    est: dict[int, float] = {}
+    for r in records:
+        if "val" in r and "epoch" in r:
+            accs = [r["val"].get(f"full_acc_{i}_epoch") for i in range(k)]
+            if all(a is not None for a in accs):
+                est[int(r["epoch"])] = 1 + sum(accs)
+    if not est:
+        return {"epoch": last, "by": "the last epoch: no held-out samples to measure on", "per_epoch": {}}
+    best = max(sorted(est), key=lambda e: est[e])  # the earliest among equals
+    return {"epoch": best, "by": f"the best held-out teacher-forced tau estimate, 1 + sum of full_acc_i for i < {k} "
+            "(not the lowest loss)", "tau_estimate": est[best], "last_epoch": last,
+            "per_epoch": {str(e): est[e] for e in sorted(est)}}
 
 
 def commit_checkpoint(stage: Stage, local: Path, epoch: int, local_step: int, extra: dict) -> None:
@@ -332,11 +358,13 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     # 5. resume from the newest committed checkpoint, then train
     stage = Stage(store, run_id, STAGE)
     ckpt_dir = work / "checkpoints"
+    resumed = None
     if get_local_rank() == 0:  # every node resumes from the same committed checkpoint
         shutil.rmtree(ckpt_dir, ignore_errors=True)
         resumed = restore_latest(stage, ckpt_dir, recipe.train_digest())
         if resumed is not None:
             console.print(f"  resuming from committed checkpoint of epoch {resumed}")
+    resumed_metrics = ckpt_dir / str(resumed) / "metrics.json"
     if is_distributed():
         import torch.distributed as dist
 
@@ -364,6 +392,8 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
         "vocab_coverage": coverage,
     }
     recorder = compat.MetricsRecorder()
+    if resumed_metrics.is_file():  # the epochs before a resume: their validation chooses the checkpoint too
+        recorder.records = json.loads(resumed_metrics.read_text())
     logging.getLogger("speculators.metrics").addHandler(recorder)
     logging.getLogger("speculators.metrics").setLevel(logging.INFO)
 
@@ -379,11 +409,18 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
         maybe_destroy_distributed()
         raise EagleJobsError("train: interrupted by a signal; the checkpoint is committed, rerun to resume",
                              ExitCode.INTERRUPTED)
-    # 6. export: the newest checkpoint, as vLLM serves it
+    # 6. export: the epoch with the best held-out tau estimate, as vLLM serves it
     if get_rank() == 0:
         last = max(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and not p.is_symlink())
+        k = min(recipe.evaluate.num_speculative_tokens, recipe.train.ttt_steps)
+        record["selection"] = sel = select_epoch(recorder.records, k, last)
         record["metrics"] = recorder.records
-        export_final(stage, ckpt_dir / str(last), record, recipe)
+        if not (ckpt_dir / str(sel["epoch"])).is_dir():  # pruned locally once committed: fetch it back
+            restore_epoch(stage, ckpt_dir, sel["epoch"])
+        if sel["epoch"] != last:
+            console.print(f"  exporting epoch {sel['epoch']} (tau estimate {sel['tau_estimate']:.3f}), "
+                          f"not the last ({sel['per_epoch'].get(str(last), float('nan')):.3f})")
+        export_final(stage, ckpt_dir / str(sel["epoch"]), record, recipe)
     maybe_destroy_distributed()
     return record
 
