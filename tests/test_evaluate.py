@@ -109,9 +109,13 @@ def test_report(trained, tmp_path):
     assert st.get("r/eval/data/tau.png")[:8] == b"\x89PNG\r\n\x1a\n"
     out = tmp_path / "out"
     p = tmp_path / "extra.jsonl"
-    p.write_text('{"messages": [{"role": "user", "content": "Hello!"}]}\n')
+    # a real conversation longer than the context is skipped and counted, never sent (vLLM: HTTP 400)
+    long = " ".join(["word"] * (recipe.limits.max_prompt_tokens + 10))
+    p.write_text('{"messages": [{"role": "user", "content": "Hello!"}]}\n'
+                 + json.dumps({"messages": [{"role": "user", "content": long}]}) + "\n")
     rep2 = run_evaluate(recipe, st, "r", prompts=p, output=out)
     assert rep2["num_prompts"] == 1 and (out / "report.md").is_file()
+    assert rep2["prompt_sets"]["prompts"]["skipped_too_long"] == 1
 
 
 def test_prompt_file_with_no_usable_prompt(trained, tmp_path):

@@ -213,6 +213,28 @@ def eval_sets(recipe: Recipe, prompts: Path | None = None) -> dict[str, list[lis
     return {name: msgs[:n] if n else msgs for name, msgs in sets.items()}
 
 
+def within_limits(recipe: Recipe, sets: dict[str, list[list[dict]]]) -> tuple[dict, dict[str, int]]:
+    """Prompts whose chat-templated length is over limits.max_prompt_tokens are skipped and counted,
+    never sent: a real conversation over the server's max-model-len is an HTTP 400 that would end the
+    stage (found on ShareGPT's held-out split). Both backends then measure the same prompts."""
+    from eagle_jobs.verifier import load_tokenizer
+
+    tok, kw = load_tokenizer(recipe.verifier), recipe.chat.template_kwargs()
+    kept, skipped = {}, {}
+    for name, prompts in sets.items():
+        ok = []
+        for msgs in prompts:
+            enc = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kw)
+            ids = enc["input_ids"] if hasattr(enc, "keys") else enc
+            if len(ids) <= recipe.limits.max_prompt_tokens:
+                ok.append(msgs)
+        kept[name], skipped[name] = ok, len(prompts) - len(ok)
+        if not ok:
+            raise BadInput(f"evaluate: every prompt of set '{name}' is longer than limits.max_prompt_tokens "
+                           f"({recipe.limits.max_prompt_tokens}): raise it, or use shorter prompts")
+    return kept, skipped
+
+
 def eval_prompts(recipe: Recipe, prompts: Path | None) -> list[list[dict]]:
     """The first set of eval_sets: --prompts, else the validation split, else the first named set."""
     return next(iter(eval_sets(recipe, prompts).values()))
@@ -336,6 +358,7 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
     from eagle_jobs.verifier import load_config
 
     sets = eval_sets(recipe, prompts)  # bad prompt files fail here, before any model loads
+    sets, too_long = within_limits(recipe, sets)
     work = Path(tempfile.mkdtemp(prefix="eagle-eval-"))
     draft_dir = download_final(store, run_id, work / "draft")
     draft_cfg = json.loads((draft_dir / "config.json").read_text())
@@ -368,7 +391,8 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
             base = evaluate_vllm_sets(recipe, untrained, sets)
     per_set = {name: {
         "acceptance_length": res[name]["acceptance_length"], "per_position_acceptance": res[name]["per_position_acceptance"],
-        "num_prompts": len(m), "tokens_generated": res[name]["tokens_generated"], "verifier_forwards": res[name]["rounds"],
+        "num_prompts": len(m), "skipped_too_long": too_long[name],
+        "tokens_generated": res[name]["tokens_generated"], "verifier_forwards": res[name]["rounds"],
         "baseline_acceptance_length": base[name]["acceptance_length"] if name in base else None,
         "baseline_per_position_acceptance": base[name]["per_position_acceptance"] if name in base else None,
         "source": (str(prompts) if prompts else recipe.prompts.source if name == "validation"
