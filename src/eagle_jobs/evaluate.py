@@ -433,7 +433,8 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
         where = store.url(stage.key("data/report.md"))
     report["report_path"] = where
     for name, x in per_set.items():
-        console.print(f"  tau[{name}] = {x['acceptance_length']:.3f} on {x['num_prompts']} prompts (untrained draft: "
+        # no [brackets]: rich would read them as markup and print nothing of the set's name
+        console.print(f"  {name}: tau = {x['acceptance_length']:.3f} on {x['num_prompts']} prompts (untrained draft: "
                       f"{x['baseline_acceptance_length'] or float('nan'):.3f})", soft_wrap=True)
     console.print(f"  report: {where}")
     return report
