@@ -417,8 +417,11 @@ def test_two_ranks_sigterm_commits_one_agreed_step_and_resumes(tiny_recipe, tmp_
     committed = stage.manifests()
     newest = max(committed, key=lambda m: (m["epoch"], m["local_step"]))
     assert not stage.is_complete() and newest["epoch"] < 5 and newest["local_step"] > 0, committed
+    name = f"checkpoint-{newest['epoch']:04d}"
+    before = json.loads(stage.read(f"{name}/metrics.json", newest["files"][f"{name}/metrics.json"]))
     rec = run_train(recipe, st, "r", work_dir=tmp_path / "w2")  # a fresh pod
-    steps = [m["global_step"] for m in rec["metrics"] if "train" in m]
+    assert rec["metrics"][: len(before)] == before  # the first pod's records are kept (checkpoint selection)
+    steps = [m["global_step"] for m in rec["metrics"][len(before):] if "train" in m]
     assert stage.is_complete() and min(steps) >= newest["epoch"] * rec["steps_per_epoch"] + newest["local_step"]
 
 
