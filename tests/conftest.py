@@ -79,6 +79,19 @@ def tiny_kimi(tmp_path_factory) -> Path:
     return build_tiny_kimi(tmp_path_factory.mktemp("tiny-kimi"))
 
 
+def embedded_smollm2_except(dst: Path, name: str) -> Path:
+    """dst holding links to every file of the embedded SmolLM2 but `name`, for a test to write its own;
+    returns the source directory."""
+    from eagle_jobs.recipe import EMBEDDED_SMOLLM2, VerifierSpec
+    from eagle_jobs.verifier import resolve_path
+
+    src = Path(resolve_path(VerifierSpec(model=EMBEDDED_SMOLLM2)))
+    for f in src.iterdir():
+        if f.name != name:
+            (dst / f.name).symlink_to(f)
+    return src
+
+
 def write_prompts(path: Path, n: int = 12, multi_turn_every: int = 4) -> Path:
     import json
 

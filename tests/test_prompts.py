@@ -134,3 +134,11 @@ def test_no_held_out_split_and_no_benchmark_set_is_refused_before_any_stage(tiny
     recipe = tiny_recipe(prompts={"validation": 0})
     with pytest.raises(BadInput, match="no prompts to measure on"):
         run_pipeline(recipe, Store.open(recipe.store.uri), "t")
+
+
+def test_a_json_array_file_cut_inside_a_record_is_read_up_to_it(tmp_path):
+    p = tmp_path / "cut.json"
+    p.write_text('[{"conversations": [{"from": "human", "value": "hi"}]},\n'
+                 ' {"messages": [{"role": "user", "content": "x"}]}, {"conversations": [{"from": "hu')
+    convs, rejects = read_prompts(PromptSpec(source=str(p), validation=0))
+    assert len(convs) == rejects.rows == 2 and "ends inside record 3" in rejects.note

@@ -21,14 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port, write_prompts
+from conftest import embedded_smollm2_except, free_port, write_prompts
 from eagle_jobs import vllm_cpu
 from eagle_jobs.capture import run_capture
 from eagle_jobs.committed import download_final, extraction_info, read_rows, read_sample
 from eagle_jobs.extract import run_extract
-from eagle_jobs.recipe import EMBEDDED_SMOLLM2, Recipe, VerifierSpec
+from eagle_jobs.recipe import Recipe
 from eagle_jobs.store import Store
-from eagle_jobs.verifier import resolve_path
 
 # The real engine runs wherever `make venv` could install it: Linux x86-64 (CI included).
 pytestmark = pytest.mark.skipif(not vllm_cpu.is_cpu_build(), reason="vllm-cpu installs on Linux x86-64 only")
@@ -40,11 +39,8 @@ THINK = {3: "<think>", 4: "</think>"}  # SmolLM2's unused specials <repo_name>, 
 @pytest.fixture(scope="module")
 def think_model(tmp_path_factory) -> Path:
     """SmolLM2 whose tokenizer has <think>/</think>, which vLLM's reasoning parsers require."""
-    src = Path(resolve_path(VerifierSpec(model=EMBEDDED_SMOLLM2)))
     dst = tmp_path_factory.mktemp("smollm2-think")
-    for f in src.iterdir():
-        if f.name != "tokenizer.json":
-            (dst / f.name).symlink_to(f)
+    src = embedded_smollm2_except(dst, "tokenizer.json")
     tok = json.loads((src / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     for a in tok["added_tokens"]:

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import free_port, write_prompts
+from conftest import embedded_smollm2_except, free_port, write_prompts
 from eagle_jobs import vllm_cpu
 from eagle_jobs.errors import BadInput
-from eagle_jobs.recipe import EMBEDDED_SMOLLM2, Recipe, VerifierSpec, load_recipe
+from eagle_jobs.recipe import Recipe, VerifierSpec, load_recipe
 from eagle_jobs.store import Store
 from eagle_jobs.verifier import resolve_path
 from eagle_jobs.weights import local_copy, mirror, read_manifest
@@ -27,11 +27,8 @@ SHA = "4d01dfe0332d63057c186e0b262165819efb6611"
 @pytest.fixture(scope="module")
 def sharded_smollm2(tmp_path_factory) -> Path:
     """SmolLM2 split into shards with an index, as every large checkpoint is laid out."""
-    src = Path(resolve_path(VerifierSpec(model=EMBEDDED_SMOLLM2)))
     dst = tmp_path_factory.mktemp("smollm2-sharded")
-    for f in src.iterdir():
-        if f.name != "model.safetensors":
-            (dst / f.name).write_bytes(f.read_bytes())
+    src = embedded_smollm2_except(dst, "model.safetensors")
     tensors = load_file(src / "model.safetensors")
     names = sorted(tensors)
     shards = [names[i::3] for i in range(3)]  # the embeddings land in one of three shards

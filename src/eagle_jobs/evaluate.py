@@ -213,6 +213,12 @@ def eval_sets(recipe: Recipe, prompts: Path | None = None) -> dict[str, list[lis
     return {name: msgs[:n] if n else msgs for name, msgs in sets.items()}
 
 
+def prompt_ids(tok, msgs: list[dict], template_kwargs: dict) -> list[int]:
+    """The chat-templated prompt's token ids (transformers returns a BatchEncoding or a list)."""
+    enc = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **template_kwargs)
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
 def within_limits(recipe: Recipe, sets: dict[str, list[list[dict]]]) -> tuple[dict, dict[str, int]]:
     """Prompts whose chat-templated length is over limits.max_prompt_tokens are skipped and counted,
     never sent: a real conversation over the server's max-model-len is an HTTP 400 that would end the
@@ -222,12 +228,7 @@ def within_limits(recipe: Recipe, sets: dict[str, list[list[dict]]]) -> tuple[di
     tok, kw = load_tokenizer(recipe.verifier), recipe.chat.template_kwargs()
     kept, skipped = {}, {}
     for name, prompts in sets.items():
-        ok = []
-        for msgs in prompts:
-            enc = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kw)
-            ids = enc["input_ids"] if hasattr(enc, "keys") else enc
-            if len(ids) <= recipe.limits.max_prompt_tokens:
-                ok.append(msgs)
+        ok = [msgs for msgs in prompts if len(prompt_ids(tok, msgs, kw)) <= recipe.limits.max_prompt_tokens]
         kept[name], skipped[name] = ok, len(prompts) - len(ok)
         if not ok:
             raise BadInput(f"evaluate: every prompt of set '{name}' is longer than limits.max_prompt_tokens "
@@ -268,8 +269,7 @@ def evaluate_transformers(recipe: Recipe, draft_dir: Path, prompts: list[list[di
     label = "evaluate (untrained draft)" if untrained else "evaluate"
     with stage_progress(label, len(prompts), "prompts") as advance:
         for msgs in prompts:
-            enc = v.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **kw)
-            prompt = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+            prompt = prompt_ids(v.tokenizer, msgs, kw)
             before = acc.tokens
             gen = speculative_generate(v.model, proposer, recipe.aux_layer_ids, prompt, k,
                                        recipe.evaluate.max_new_tokens, eos, acc)

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import TextIO
 
 from eagle_jobs.errors import BadInput
 from eagle_jobs.progress import console
@@ -157,12 +158,12 @@ def _packaged(name: str) -> tuple[Path, str]:
     return Path(list(spec.submodule_search_locations)[0]) / rel, fmt
 
 
-def _json_array(path: Path, source: str, rejects: Rejects) -> Iterator[tuple[object, str]]:
-    """The objects of a JSON array file, read in 1 MiB pieces; a cut in the middle of the last object
+def _json_array(f: TextIO, source: str, rejects: Rejects) -> Iterator[tuple[object, str]]:
+    """The objects of a JSON array, read in 1 MiB pieces; a cut in the middle of the last object
     ends the read there, and rejects.note says how many records were complete."""
     decoder = json.JSONDecoder()
     buf, pos, n, eof = "", 0, 0, False
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with f:
         while True:
             if not eof and len(buf) - pos < 1 << 20:  # keep a piece ahead of the decoder
                 piece = f.read(1 << 20)
@@ -262,7 +263,8 @@ def _rows(source: str, spec: PromptSpec, rejects: Rejects) -> Iterator[tuple[obj
         return
     if source.startswith("pypi://"):
         path, fmt = _packaged(source.removeprefix("pypi://"))
-        yield from (_json_array(path, source, rejects) if fmt == "json-array" else _humaneval(path, source))
+        yield from (_json_array(open(path, encoding="utf-8", errors="replace"), source, rejects)
+                    if fmt == "json-array" else _humaneval(path, source))
         return
     data, name = _read_bytes(source)
     if name.endswith(".parquet"):
@@ -271,12 +273,7 @@ def _rows(source: str, spec: PromptSpec, rejects: Rejects) -> Iterator[tuple[obj
         table = pq.read_table(io.BytesIO(data))
         yield from ((r, f"{source} row {i}") for i, r in enumerate(table.to_pylist()))
     elif name.endswith(".json"):
-        import tempfile
-
-        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            tmp.write(data)
-            tmp.flush()
-            yield from _json_array(Path(tmp.name), source, rejects)
+        yield from _json_array(io.StringIO(data.decode("utf-8", errors="replace")), source, rejects)
     else:
         yield from _jsonl(data, source, rejects)
 
