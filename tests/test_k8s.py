@@ -601,3 +601,73 @@ def test_operations_node_sizes_are_the_rendered_requests(rendered):
                for k in ("cpu", "memory", "nvidia.com/gpu", "ephemeral-storage")]
         want[rj["name"]] = (rj["template"]["spec"]["completions"], *tot)
     assert {r[0]: tuple(float(x) for x in r[1:]) for r in rows} == {k: tuple(map(float, v)) for k, v in want.items()}
+
+
+def test_weights_volume_component_mounts_the_claim_read_only_where_the_verifier_is_read(tmp_path):
+    """components/weights-volume, the alternative to streaming from the store: an overlay made of the
+    full run's components with weights-volume in place of verifier-mirror. Every container that reads
+    the verifier mounts the ReadOnlyMany claim at /models read-only, the JobSet still validates and is
+    admitted, and the vLLM sidecar serves the mounted directory in place (no runai, no hub)."""
+    import jsonschema
+
+    kubectl = shutil.which("kubectl")
+    ovl = tmp_path / "overlay"
+    ovl.mkdir()
+    rel = os.path.relpath(REPO / "k8s", ovl)
+    weights = "file:///models/moonshotai/Kimi-K2.5/4d01dfe0332d63057c186e0b262165819efb6611"
+    recipe = yaml.safe_load((REPO / "jobs/kimi-k2.5.yaml").read_text())
+    recipe["verifier"]["weights"] = weights
+    (ovl / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    (ovl / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [f"{rel}/base"],
+        "components": [f"{rel}/components/{c}" for c in ("blackwell-8gpu", "vllm-sidecar", "weights-volume")],
+        "configMapGenerator": [{"name": "eagle-jobs-recipe", "behavior": "replace", "files": ["recipe.yaml"]}]}))
+    r = subprocess.run([kubectl, "kustomize", str(ovl)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    js = _jobset(docs)
+    assert [rj["name"] for rj in js["spec"]["replicatedJobs"]] == STAGES
+    crd = yaml.safe_load(_crd_path().read_text())
+    (ver,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
+    schema = _strict(copy.deepcopy(ver["schema"]["openAPIV3Schema"]))
+    schema["properties"]["metadata"] = {"type": "object"}
+    jsonschema.validate(js, schema)
+    assert webhook_name_problems(js) == []
+    for stage in STAGES:
+        pod = _pod(js, stage)
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "weights"]
+        assert vol["persistentVolumeClaim"] == {"claimName": "eagle-jobs-weights", "readOnly": True}
+        containers = pod.get("initContainers", []) + pod["containers"]
+        assert [c["name"] for c in containers] == (["worker"] if stage == "train" else ["prepare", "vllm", "worker"])
+        for c in containers:
+            assert {"name": "weights", "mountPath": "/models", "readOnly": True} in c["volumeMounts"], (stage, c["name"])
+    # what the capture sidecar runs with that recipe: the mounted directory, checked by prepare first
+    local = tmp_path / "models" / weights.removeprefix("file:///models/")
+    local.mkdir(parents=True)
+    here = yaml.safe_dump({**recipe, "verifier": {**recipe["verifier"], "weights": f"file://{local}"}})
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "work").mkdir()
+    (tmp_path / "etc" / "recipe.yaml").write_text(here)
+    prepare, sidecar = _pod(js, "capture")["initContainers"]
+    env = {**os.environ, "EAGLE_JOBS_STORE": f"file://{tmp_path}/store", "HOME": str(tmp_path),
+           "JOB_COMPLETION_INDEX": "0", "HF_HUB_OFFLINE": "1"}
+
+    def cli(c):
+        args = [a.replace("/etc/eagle-jobs", str(tmp_path / "etc")).replace("/work", str(tmp_path / "work"))
+                for a in c["args"]]
+        return subprocess.run([sys.executable, "-m", "eagle_jobs.cli", *args], capture_output=True, text=True,
+                              timeout=120, env={**env, "PATH": f"{tmp_path / 'bin'}:{env['PATH']}"})
+
+    r = cli(prepare)
+    assert r.returncode == 3 and "MIRROR.json" in r.stderr  # nothing mounted there yet: refused before vLLM
+    (local / "MIRROR.json").write_text(json.dumps({"model": recipe["verifier"]["model"],
+                                                   "revision": recipe["verifier"]["revision"], "files": {}, "bytes": 0}))
+    assert cli(prepare).returncode == 0
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "vllm").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    (tmp_path / "bin" / "vllm").chmod(0o755)
+    r = cli(sidecar)
+    assert r.returncode == 0, r.stderr[-800:]
+    cmd = r.stdout.splitlines()
+    assert cmd[:2] == ["serve", str(local)] and "--load-format" not in cmd and "--revision" not in cmd
