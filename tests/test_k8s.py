@@ -52,6 +52,19 @@ def rendered() -> dict[str, list[dict]]:
     return out
 
 
+SHARED = ["cluster-setup", "dev-services"]  # applied once per cluster, never by a run
+
+
+@pytest.fixture(scope="module")
+def shared_rendered() -> dict[str, list[dict]]:
+    out = {}
+    for k in SHARED:
+        r = subprocess.run(["kubectl", "kustomize", str(REPO / "k8s" / k)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        out[k] = [d for d in yaml.safe_load_all(r.stdout) if d]
+    return out
+
+
 def _jobset(docs) -> dict:
     (js,) = [d for d in docs if d["kind"] == "JobSet"]
     return js
@@ -63,6 +76,21 @@ def _job(js, stage) -> dict:
 
 def _pod(js, stage) -> dict:
     return _job(js, stage)["template"]["spec"]
+
+
+GENERATED = re.compile(r"^(eagle-jobs-(?:run|recipe))-[a-z0-9]{10}$")  # kustomize's content hash
+
+
+def _configmaps(docs) -> dict[str, dict]:
+    """ConfigMap data by name, and by generator name (eagle-jobs-recipe for eagle-jobs-recipe-<hash>)."""
+    out = {}
+    for d in docs:
+        if d["kind"] == "ConfigMap":
+            out[d["metadata"]["name"]] = d["data"]
+            m = GENERATED.match(d["metadata"]["name"])
+            if m:
+                out[m[1]] = d["data"]
+    return out
 
 
 def _strict(schema):
@@ -195,8 +223,6 @@ def test_security_context_restricted(rendered, overlay):
                 # every writable path is a volume
                 mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
                 assert "/tmp" in mounts
-    ns = next(d for d in rendered[overlay] if d["kind"] == "Namespace")
-    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
 
 
 @pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
@@ -226,10 +252,10 @@ def test_images_env_volumes_and_recipe(rendered, overlay):
     else:
         assert images == {"capture": "ghcr.io/eagle-jobs/capture:0.1.0", "extract": "ghcr.io/eagle-jobs/extract:0.1.0",
                           "train": "ghcr.io/eagle-jobs/train:0.1.0", "evaluate": "ghcr.io/eagle-jobs/capture:0.1.0"}
-    cm = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
-    recipe_text = cm["eagle-jobs-recipe"]["data"]["recipe.yaml"]
+    cm = _configmaps(docs)
+    recipe_text = cm["eagle-jobs-recipe"]["recipe.yaml"]
     assert recipe_text == (REPO / "jobs" / f"{RECIPES[overlay]}.yaml").read_text()
-    run = cm["eagle-jobs-run"]["data"]
+    run = cm["eagle-jobs-run"]
     from eagle_jobs.recipe import Recipe
 
     recipe = Recipe.model_validate(yaml.safe_load(recipe_text))
@@ -240,15 +266,80 @@ def test_images_env_volumes_and_recipe(rendered, overlay):
         c = pod["containers"][0]
         assert c["args"][:3] == [st, "--recipe", "/etc/eagle-jobs/recipe.yaml"]
         refs = [next(iter(e.values()))["name"] for e in c["envFrom"]]
-        assert refs == ["eagle-jobs-run", "eagle-jobs-store"]
+        assert GENERATED.match(refs[0])[1] == "eagle-jobs-run" and cm[refs[0]] is run and refs[1] == "eagle-jobs-store"
         assert not any("AWS_SECRET" in e["name"] or "AWS_ACCESS" in e["name"] for e in c["env"])  # never literal
         vols = {v["name"]: v for v in pod["volumes"]}
-        assert vols["recipe"]["configMap"]["name"] == "eagle-jobs-recipe"
+        assert cm[vols["recipe"]["configMap"]["name"]]["recipe.yaml"] == recipe_text
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["HF_HOME"].startswith("/cache") and env["TRITON_CACHE_DIR"].startswith("/cache")
     for d in docs:  # no credential anywhere in the rendered objects
         assert "AWS_SECRET_ACCESS_KEY=" not in json.dumps(d)
         assert d["kind"] != "Secret"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlays_hold_only_per_run_objects_with_hashed_configmaps(rendered, overlay):
+    """`kubectl delete -k k8s/overlays/<name>` (or skaffold's cleanup) deletes one run, never the namespace,
+    its Secrets or another run; every ConfigMap the JobSet names is in the render, under a content hash."""
+    docs = rendered[overlay]
+    assert sorted({d["kind"] for d in docs}) == ["ConfigMap", "JobSet"]
+    names = {d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"}
+    assert all(GENERATED.match(n) for n in names), names
+    text = json.dumps(_jobset(docs))
+    refs = set(re.findall(r'"name": "(eagle-jobs-(?:run|recipe)[^"]*)"', text))
+    assert refs == names  # rewritten by k8s/base/kustomizeconfig.yaml everywhere, components included
+
+
+def test_another_recipe_is_another_configmap_so_a_running_jobset_keeps_its_own(tmp_path):
+    """Applying the same overlay with an edited recipe creates a new ConfigMap (and the immutable JobSet
+    refuses the changed template: a run is never switched to another recipe mid-run)."""
+    kubectl = shutil.which("kubectl")
+    ovl = tmp_path / "overlay"
+    ovl.mkdir()
+    rel = os.path.relpath(REPO / "k8s/overlays/full", ovl)
+    edited = (REPO / "jobs/kimi-k2.5.yaml").read_text().replace("epochs: 10", "epochs: 11")
+    assert edited != (REPO / "jobs/kimi-k2.5.yaml").read_text()
+    (ovl / "recipe.yaml").write_text(edited)
+    (ovl / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": [rel],
+        "configMapGenerator": [{"name": "eagle-jobs-recipe", "behavior": "replace", "files": ["recipe.yaml"]}]}))
+
+    def recipe_map(path):
+        out = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, check=True).stdout
+        docs = [d for d in yaml.safe_load_all(out) if d]
+        (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("eagle-jobs-recipe-")]
+        vol = next(v for v in _pod(_jobset(docs), "train")["volumes"] if v["name"] == "recipe")
+        return cm["metadata"]["name"], vol["configMap"]["name"]
+
+    before, after = recipe_map(REPO / "k8s/overlays/full"), recipe_map(ovl)
+    assert before[0] == before[1] and after[0] == after[1] and before[0] != after[0]
+
+
+@pytest.mark.parametrize("shared", SHARED)
+def test_cluster_setup_validates_strictly(shared_rendered, shared, tmp_path):
+    f = tmp_path / "docs.yaml"
+    f.write_text(yaml.safe_dump_all(shared_rendered[shared]))
+    exe = Path(sys.executable).with_name("kubernetes-validate")
+    r = subprocess.run([str(exe), "--strict", "-k", OLDEST_K8S, str(f)], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.count("passed") == len(shared_rendered[shared]), r.stdout + r.stderr
+
+
+def test_cluster_setup_holds_what_runs_share(shared_rendered):
+    docs = shared_rendered["cluster-setup"]
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert kinds == {("Namespace", "eagle-jobs"), ("ServiceAccount", "eagle-jobs-worker"),
+                     ("ServiceAccount", "eagle-jobs-submitter"), ("Role", "eagle-jobs-submitter"),
+                     ("RoleBinding", "eagle-jobs-submitter"), ("NetworkPolicy", "eagle-jobs-vllm-no-ingress")}
+    ns = next(d for d in docs if d["kind"] == "Namespace")
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert all(d["metadata"].get("namespace") == "eagle-jobs" for d in docs if d["kind"] != "Namespace")
+    sa = next(d for d in docs if d["metadata"]["name"] == "eagle-jobs-worker")
+    assert sa["automountServiceAccountToken"] is False
+    (minio,) = [d for d in shared_rendered["dev-services"] if d["kind"] == "Deployment"]
+    pod = minio["spec"]["template"]["spec"]  # the dev cluster's MinIO meets the namespace's restricted profile
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    for c in pod["containers"]:
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
 
 
 def test_names_unique_per_run_id(rendered):
@@ -395,7 +486,7 @@ def test_vllm_pods_prepare_then_exec_the_command_for_every_index(rendered, overl
     the verifier streamed from the store's mirror (moto stands in for the bucket, the AWS_* of the
     Secret come from its fixture)."""
     js = _jobset(rendered[overlay])
-    cms = {d["metadata"]["name"]: d["data"] for d in rendered[overlay] if d["kind"] == "ConfigMap"}
+    cms = _configmaps(rendered[overlay])
     from eagle_jobs.recipe import Recipe
     from eagle_jobs.store import Store
 
@@ -475,7 +566,7 @@ def test_gpu_pods_land_on_the_product_and_ask_for_what_they_use(rendered, overla
     from eagle_jobs.recipe import Recipe
 
     js = _jobset(rendered[overlay])
-    cms = {d["metadata"]["name"]: d["data"] for d in rendered[overlay] if d["kind"] == "ConfigMap"}
+    cms = _configmaps(rendered[overlay])
     recipe = Recipe.model_validate(yaml.safe_load(cms["eagle-jobs-recipe"]["recipe.yaml"]))
     for st in STAGES:
         terms = _pod(js, st)["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
@@ -535,9 +626,9 @@ def test_every_pod_requests_the_disk_its_volumes_may_fill(rendered, overlay):
 
 
 @pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
-def test_no_other_pod_reaches_the_vllm_port_and_training_still_rendezvous(rendered, overlay):
+def test_no_other_pod_reaches_the_vllm_port_and_training_still_rendezvous(rendered, shared_rendered, overlay):
     js = _jobset(rendered[overlay])
-    (pol,) = [d for d in rendered[overlay] if d["kind"] == "NetworkPolicy"]
+    (pol,) = [d for d in shared_rendered["cluster-setup"] if d["kind"] == "NetworkPolicy"]
     assert pol["metadata"]["namespace"] == js["metadata"]["namespace"]
     assert pol["spec"]["policyTypes"] == ["Ingress"] and pol["spec"]["ingress"] == []
 
@@ -565,7 +656,7 @@ def test_the_mirror_stage_copies_the_pinned_revision_into_the_store(rendered, ov
     model.mkdir()
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"\0" * 4096)
-    cms = {d["metadata"]["name"]: d["data"] for d in rendered[overlay] if d["kind"] == "ConfigMap"}
+    cms = _configmaps(rendered[overlay])
     recipe = yaml.safe_load(cms["eagle-jobs-recipe"]["recipe.yaml"])
     recipe["verifier"].update(model=str(model), weights=f"file://{tmp_path}/store/models/m")
     (tmp_path / "etc").mkdir()
@@ -671,3 +762,44 @@ def test_weights_volume_component_mounts_the_claim_read_only_where_the_verifier_
     assert r.returncode == 0, r.stderr[-800:]
     cmd = r.stdout.splitlines()
     assert cmd[:2] == ["serve", str(local)] and "--load-format" not in cmd and "--revision" not in cmd
+
+
+def test_monitoring_scrapes_the_vllm_port_and_only_prometheus_may_reach_it(rendered):
+    r = subprocess.run(["kubectl", "kustomize", str(REPO / "k8s/monitoring")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    docs = {d["kind"]: d for d in yaml.safe_load_all(r.stdout) if d}
+    pm, pol = docs["PodMonitor"], docs["NetworkPolicy"]
+    assert pm["metadata"]["namespace"] == pol["metadata"]["namespace"] == "eagle-jobs"
+    js = _jobset(rendered["full"])
+
+    def selected(sel, labels):
+        return all(labels.get(e["key"]) in e["values"] for e in sel["matchExpressions"])
+
+    for rj in js["spec"]["replicatedJobs"]:
+        tpl = rj["template"]["spec"]["template"]
+        sidecar = next((c for c in tpl["spec"].get("initContainers", []) if c["name"] == "vllm"), None)
+        assert selected(pm["spec"]["selector"], tpl["metadata"]["labels"]) == (sidecar is not None), rj["name"]
+        assert selected(pol["spec"]["podSelector"], tpl["metadata"]["labels"]) == (sidecar is not None)
+        if sidecar is not None:  # the endpoint's port name is the sidecar's, and the policy opens that port
+            (ep,) = pm["spec"]["podMetricsEndpoints"]
+            port = next(p for p in sidecar["ports"] if p["name"] == ep["port"])
+            assert ep["path"] == "/metrics" and pol["spec"]["ingress"][0]["ports"] == [
+                {"protocol": "TCP", "port": port["containerPort"]}]
+    assert pol["spec"]["ingress"][0]["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+
+
+def test_kueue_component_queues_the_whole_jobset(tmp_path):
+    ovl = tmp_path / "overlay"
+    ovl.mkdir()
+    rel = os.path.relpath(REPO / "k8s", ovl)
+    (ovl / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [f"{rel}/overlays/full"], "components": [f"{rel}/components/kueue"]}))
+    r = subprocess.run(["kubectl", "kustomize", str(ovl)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    js = _jobset([d for d in yaml.safe_load_all(r.stdout) if d])
+    # Kueue (kueue.x-k8s.io, JobSet integration) manages a JobSet that carries this label on itself
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "eagle-jobs"
+    assert webhook_name_problems(js) == []
+    assert (REPO / "docs/OPERATIONS.md").read_text().count("components/kueue") >= 1

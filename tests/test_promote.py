@@ -79,3 +79,19 @@ def test_promote_only_when_better_with_lineage(tiny_recipe, tmp_path, bucket):
     _with_tau(st, "a", 3.0, prompts_sha="0" * 64)
     with pytest.raises(BadInput, match="other prompts"):
         promote(st, "a", dest)
+    # the scheduled half of CI: every finished run is decided once, each with its summary
+    from eagle_jobs.promote import reconcile
+
+    ev = Stage(st, "b", "eval")
+    b_sha = json.loads(ev.read("report.json", ev.manifest("report")["files"]["report.json"]))["prompts_sha256"]
+    _with_tau(st, "a", 2.0, prompts_sha=b_sha)  # comparable again
+    _with_tau(st, "b", 1.5, prompts_sha=b_sha)
+    fresh = f"s3://{bucket}/runs/drafts/reconciled"
+    decided = {d["run_id"]: d for d in reconcile(st, fresh)}
+    assert set(decided) == {"a", "b"}  # drafts/ is no run: it has no eval stage
+    assert decided["a"]["promoted"] and not decided["b"]["promoted"] and "not promoted" in decided["b"]["why"]
+    assert Store.open(fresh).get_json("CURRENT.json")["run_id"] == "a"
+    assert "| validation | 2 | 2.000 |" in decided["a"]["summary"] and "| humaneval | 2 | 1.500 |" in decided["b"]["summary"]
+    assert "b/eval/data/report.md" in decided["b"]["summary"]
+    assert reconcile(st, fresh) == []  # decided once: a later pass leaves them alone
+    assert reconcile(st, f"s3://{bucket}/runs/drafts/other", prefix="ci-") == []  # only run ids with the prefix

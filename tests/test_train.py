@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -173,12 +174,28 @@ def test_gpu_dtype_path_bf16_states_under_bf16_autocast(tiny_recipe):
     torch.testing.assert_close(loss.float(), loss_fp32, rtol=2e-2, atol=2e-2)
 
 
-def test_loss_decreases_on_its_training_data(tiny_recipe, tmp_path):
+def test_loss_decreases_on_its_training_data(tiny_recipe, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("EAGLE_JOBS_PROGRESS_INTERVAL_S", "0")
     recipe = tiny_recipe(train={"epochs": 8, "lr": 3e-3})
     st = _prepared(recipe, f"file://{tmp_path}/s")
     rec = run_train(recipe, st, "r", work_dir=tmp_path / "w")
     losses = [m["train"]["loss_0"] for m in rec["metrics"] if "train" in m and "loss_0" in m["train"]]
     assert len(losses) >= 8 and sum(losses[-2:]) < 0.7 * sum(losses[:2])
+    # off a terminal (a pod's log) speculators' rich bar is silent: our plain lines say where each epoch is
+    err = capsys.readouterr().err
+    assert re.search(r"train epoch 0: 1/\d+ steps \(\d+%\), elapsed 0:\d\d, ETA \d+:\d\d", err), err[-2000:]
+    assert "train epoch 7: " in err
+    # the curves, where people look for them: TensorBoard event files in the store beside the checkpoints
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list((tmp_path / "s" / "r" / "train" / "data" / "tensorboard").rglob("*tfevents*"))
+    assert len(events) == 1 and events[0].parent.name.startswith("attempt-"), events
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    loss = next(t for t in tags if t.endswith("loss_0"))
+    assert [e.value for e in acc.Scalars(loss)] == pytest.approx(losses)
+    assert any(t.startswith("val") and "full_acc_0" in t for t in tags), tags
 
 
 def test_resume_after_sigterm_mid_training(tiny_recipe, tmp_path, monkeypatch):

@@ -339,6 +339,9 @@ def _capture_shards(recipe, stage: Stage, idx, n, todo, make_backend, totals: Sh
                 "settings_digest": capture_digest(recipe),
                 "verifier": recipe.verifier.model, "backend": recipe.capture.backend,
             })
+            console.print(f"  committed {name}: {len(chunk)} conversations, {len(rows)} rows, "
+                          f"{sum(len(r['input_ids']) for r in rows):,} tokens", soft_wrap=True, markup=False,
+                          highlight=False)
             totals.rows += len(rows)
             totals.skipped_too_long += stats.skipped_too_long
             totals.reused += stats.reused

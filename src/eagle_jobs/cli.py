@@ -121,11 +121,19 @@ KubeOpt = Annotated[Optional[str], typer.Option("--kubeconfig", help="kubeconfig
 def submit(overlay: Annotated[Path, typer.Option(help="k8s/overlays/<name>")],
            run_id: Annotated[str, typer.Option("--run-id", help="this run's id: JobSet name, labels, store path")],
            recipe: Annotated[Optional[Path], typer.Option(help="replace the overlay's recipe")] = None,
-           kubeconfig: KubeOpt = None):
+           kubeconfig: KubeOpt = None,
+           image: Annotated[Optional[list[str]], typer.Option(
+               help="capture|extract|train=<registry/name>@sha256:<digest>: run this build (repeatable)")] = None):
     """Render the overlay for one run id and server-side apply it; returns at once."""
     from eagle_jobs.cluster import submit as do_submit
 
-    do_submit(overlay, run_id, recipe, kubeconfig)
+    images = {}
+    for item in image or []:
+        name, sep, ref = item.partition("=")
+        if not sep:
+            raise BadInput(f"--image {item}: expected <stage image>=<ref>@sha256:<digest>")
+        images[name] = ref
+    do_submit(overlay, run_id, recipe, kubeconfig, images or None)
 
 
 @app.command()
@@ -161,6 +169,27 @@ def logs(run_id: Annotated[str, typer.Argument()], namespace: NsOpt = "eagle-job
     from eagle_jobs import cluster
 
     print(cluster.logs(cluster.api_client(kubeconfig), namespace, run_id, stage, tail))
+
+
+@app.command()
+def reconcile(to: Annotated[str, typer.Option("--to", help="<store>/drafts/<name>")],
+              store: StoreOpt = None,
+              prefix: Annotated[str, typer.Option(help="only run ids that start with this (ci-)")] = "",
+              tolerance: Annotated[float, typer.Option(help="a tie within this much tau still promotes")] = 0.01,
+              summary: Annotated[Optional[Path], typer.Option(
+                  help="append a Markdown summary here ($GITHUB_STEP_SUMMARY)")] = None):
+    """Decide every finished run once: promote it if at least as good (the scheduled half of CI)."""
+    from eagle_jobs.promote import reconcile as do_reconcile
+
+    st = _store_or_none(store)
+    if st is None:
+        raise typer.BadParameter("--store (or $EAGLE_JOBS_STORE) is required")
+    decided = do_reconcile(st, to, prefix, tolerance)
+    if summary is not None:
+        with open(summary, "a") as f:
+            f.write("## Finished runs\n\n" if decided else "## Finished runs\n\nnone since the last pass\n")
+            for d in decided:
+                f.write(f"{d['summary']}\n**{'promoted' if d['promoted'] else 'not promoted'}**: {d['why']}\n\n")
 
 
 @app.command()

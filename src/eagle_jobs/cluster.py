@@ -53,7 +53,8 @@ def jobset_name(run_id: str) -> str:
 
 
 # -- render -----------------------------------------------------------------------------
-def render(overlay: Path, run_id: str, recipe_path: Path | None = None) -> list[dict]:
+def render(overlay: Path, run_id: str, recipe_path: Path | None = None,
+           images: dict[str, str] | None = None) -> list[dict]:
     """The overlay's objects, made specific to one run id."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
@@ -64,33 +65,76 @@ def render(overlay: Path, run_id: str, recipe_path: Path | None = None) -> list[
     if r.returncode:
         raise BadInput(f"--overlay {overlay}: kustomize failed: {r.stderr.strip().splitlines()[-1]}")
     docs = [d for d in yaml.safe_load_all(r.stdout) if d]
-    return for_run(docs, run_id, recipe_path)
+    return for_run(docs, run_id, recipe_path, images)
 
 
-def for_run(docs: list[dict], run_id: str, recipe_path: Path | None = None) -> list[dict]:
+GENERATED = ("eagle-jobs-run", "eagle-jobs-recipe")  # the overlays' configMapGenerator names
+
+
+def content_hash(data: dict) -> str:
+    """A name suffix from a ConfigMap's data, as kustomize's hashed names are (10 characters)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
+
+
+IMAGE_NAMES = {"capture": "ghcr.io/eagle-jobs/capture", "extract": "ghcr.io/eagle-jobs/extract",
+               "train": "ghcr.io/eagle-jobs/train"}
+
+
+def pin_images(docs: list[dict], images: dict[str, str]) -> None:
+    """Every container of an image that CI built from the commit runs exactly that build: by digest."""
+    for name, ref in images.items():
+        if name not in IMAGE_NAMES:
+            raise BadInput(f"--image {name}=...: no image '{name}' (known: {', '.join(IMAGE_NAMES)})")
+        if not re.fullmatch(r"[^@\s]+@sha256:[0-9a-f]{64}", ref):
+            raise BadInput(f"--image {name}={ref}: pin an image by digest (<registry>/<name>@sha256:<64 hex>), "
+                           "as the CI build reports it")
+    text = json.dumps(docs)
+    for name, ref in images.items():
+        text = re.sub(rf'"image": "{re.escape(IMAGE_NAMES[name])}(:[^"@]+)?(@sha256:[0-9a-f]+)?"', f'"image": "{ref}"', text)
+    docs[:] = json.loads(text)
+
+
+def for_run(docs: list[dict], run_id: str, recipe_path: Path | None = None,
+            images: dict[str, str] | None = None) -> list[dict]:
+    """The overlay's per-run objects for one run id: the JobSet named for it, its ConfigMaps named
+    for it and for their content (a run never reads a ConfigMap another apply changed)."""
     from eagle_jobs.recipe import load_recipe
+
+    if images:
+        docs = json.loads(json.dumps(docs))
+        pin_images(docs, images)
 
     name = jobset_name(run_id)
     suffix = name.removeprefix("eagle-jobs-")
-    renames = {"eagle-jobs-run": f"eagle-jobs-run-{suffix}", "eagle-jobs-recipe": f"eagle-jobs-recipe-{suffix}"}
-    out = []
+    renames, out = {}, []
     for d in docs:
         d = json.loads(json.dumps(d))
         d.setdefault("metadata", {}).setdefault("labels", {})["eagle-jobs/run-id"] = suffix
-        if d["kind"] == "ConfigMap" and d["metadata"]["name"] in renames:
-            d["metadata"]["name"] = renames[d["metadata"]["name"]]
+        base = next((g for g in GENERATED if d["kind"] == "ConfigMap" and
+                     re.fullmatch(rf"{g}(-[a-z0-9]{{10}})?", d["metadata"]["name"])), None)
+        if base is not None:
             if "EAGLE_JOBS_RUN_ID" in d.get("data", {}):
                 d["data"]["EAGLE_JOBS_RUN_ID"] = run_id
+                if images:  # lineage: train records them, promote copies them next to the draft
+                    d["data"]["EAGLE_JOBS_IMAGE_DIGESTS"] = json.dumps(images, sort_keys=True)
             if recipe_path is not None and "recipe.yaml" in d.get("data", {}):
                 load_recipe(recipe_path)  # bad recipes stop here, before anything is applied
                 d["data"]["recipe.yaml"] = recipe_path.read_text()
+            new = f"{base}-{suffix}-{content_hash(d.get('data', {}))}"
+            renames[d["metadata"]["name"]] = new
+            d["metadata"]["name"] = new
         if d["kind"] == "JobSet":
             d["metadata"]["name"] = name
+        out.append(d)
+    for d in out:
+        if d["kind"] == "JobSet":
             text = json.dumps(d)
             for old, new in renames.items():
                 text = text.replace(f'"name": "{old}"', f'"name": "{new}"')
-            d = json.loads(text)
-        out.append(d)
+            d.clear()
+            d.update(json.loads(text))
     if not any(d["kind"] == "JobSet" for d in out):
         raise BadInput("the overlay renders no JobSet")
     return out
@@ -133,7 +177,7 @@ def apply(api, docs: list[dict]) -> list[str]:
             if e.status == 422:
                 raise BadInput(f"submit: {kind}/{name} exists with a different spec ({msg}); delete it or use a new --run-id") from None
             if e.status in (401, 403):
-                raise EagleJobsError(f"submit: not allowed to apply {kind}/{name} in {ns} ({msg}): bind k8s/rbac/submitter.yaml") from None
+                raise EagleJobsError(f"submit: not allowed to apply {kind}/{name} in {ns} ({msg}): bind the submitter Role of k8s/cluster-setup") from None
             raise
         done.append(f"{kind}/{name}")
     return done
@@ -163,14 +207,38 @@ def _apply_one(core, apps, rbac, custom, net, kind, name, ns, d, kw) -> None:
     appliers[kind]()
 
 
-def submit(overlay: Path, run_id: str, recipe_path: Path | None = None, kubeconfig: str | None = None) -> dict:
-    # The namespace is cluster-scoped and created once by an admin (`kubectl apply -k`);
-    # the submitter's Role (k8s/rbac/submitter.yaml) is namespaced.
-    docs = [d for d in render(overlay, run_id, recipe_path) if d["kind"] != "Namespace"]
+PER_RUN = ("ConfigMap", "JobSet")  # what submit applies; everything else is k8s/cluster-setup's
+
+
+def submit(overlay: Path, run_id: str, recipe_path: Path | None = None, kubeconfig: str | None = None,
+           images: dict[str, str] | None = None) -> dict:
+    """Apply one run's objects. Shared objects (the namespace, ServiceAccounts, RBAC, the NetworkPolicy)
+    belong to k8s/cluster-setup, applied once by an admin: submit never applies or relabels them, so it
+    never conflicts with the admin's field manager, and only checks that they are there."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    docs = render(overlay, run_id, recipe_path, images)
+    shared = [f"{d['kind']}/{d['metadata']['name']}" for d in docs if d["kind"] not in PER_RUN]
+    docs = [d for d in docs if d["kind"] in PER_RUN]
     js = next(d for d in docs if d["kind"] == "JobSet")
-    applied = apply(api_client(kubeconfig), docs)
-    console.print(f"submitted {js['metadata']['name']} in namespace {js['metadata']['namespace']}: {', '.join(applied)}")
-    return {"jobset": js["metadata"]["name"], "namespace": js["metadata"]["namespace"], "applied": applied}
+    ns = js["metadata"]["namespace"]
+    api = api_client(kubeconfig)
+    sa = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"].get("serviceAccountName")
+    if sa:
+        try:
+            client.CoreV1Api(api).read_namespaced_service_account(sa, ns)
+        except ApiException as e:
+            if e.status == 404:
+                raise BadInput(f"submit: namespace {ns} has no ServiceAccount {sa}: an admin applies the shared "
+                               f"objects once: kubectl apply -k k8s/cluster-setup") from None
+            if e.status not in (401, 403):
+                raise
+    applied = apply(api, docs)
+    if shared:
+        console.print(f"  not applied (shared, k8s/cluster-setup's): {', '.join(shared)}")
+    console.print(f"submitted {js['metadata']['name']} in namespace {ns}: {', '.join(applied)}")
+    return {"jobset": js["metadata"]["name"], "namespace": ns, "applied": applied}
 
 
 # -- status ------------------------------------------------------------------------------
@@ -223,7 +291,76 @@ def stage_states(api, namespace: str, run_id: str) -> dict:
         state = "Failed"
     elif _cond(js, "Suspended"):
         state = "Suspended"
+    for stage, pods in pod_states(api, namespace, name).items():
+        if stage in stages:
+            stages[stage]["pods"] = pods
     return {"jobset": name, "state": state, "stages": stages, "resource_version": js["metadata"].get("resourceVersion")}
+
+
+def _age(ts) -> str:
+    """'12m' since a timestamp the client parsed (None: unknown)."""
+    if ts is None:
+        return "?"
+    from datetime import datetime, timezone
+
+    s = int((datetime.now(timezone.utc) - ts).total_seconds())
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def pod_state(p) -> tuple[str, str]:
+    """(phase, why): a Job counts a pod as active from the moment it exists, so a pod that cannot be
+    scheduled, cannot pull its image, crash-loops in an init container or is still loading a 1T model
+    all read "Running" at the Job level. This says which, as kubectl's STATUS column does, and more."""
+    st = p.status
+    phase = (st.phase if st else None) or "Pending"
+    if p.metadata.deletion_timestamp is not None:
+        return phase, "Terminating"
+    if phase in ("Succeeded", "Failed"):
+        for cs in (st.container_statuses or []):
+            term = cs.state.terminated if cs.state else None
+            if cs.name == "worker" and term is not None:
+                return phase, f"worker exit {term.exit_code}" + (f" ({term.reason})" if term.reason else "")
+        return phase, st.reason or ""
+    for c in (st.conditions or []):
+        if c.type == "PodScheduled" and c.status == "False":
+            return phase, f"{c.reason or 'Unschedulable'}: {c.message or ''}".strip()
+    sidecars = {c.name for c in (p.spec.init_containers or []) if getattr(c, "restart_policy", None) == "Always"}
+    for cs in (st.init_container_statuses or []):
+        w = cs.state.waiting if cs.state else None
+        term = cs.state.terminated if cs.state else None
+        run = cs.state.running if cs.state else None
+        if w is not None and w.reason not in (None, "PodInitializing"):
+            return phase, f"Init:{w.reason} ({cs.name}" + (f": {w.message}" if w.message else "") + \
+                f"; {cs.restart_count} restarts)"
+        if term is not None and term.exit_code:
+            return phase, f"Init:Error ({cs.name} exit {term.exit_code})"
+        if run is not None and cs.name in sidecars and not cs.started:
+            return phase, f"Init:{cs.name} starting for {_age(run.started_at)} (not ready yet: loading the model)"
+        if run is not None and cs.name not in sidecars:
+            return phase, f"Init:{cs.name} running"
+    for cs in (st.container_statuses or []):
+        w = cs.state.waiting if cs.state else None
+        if w is not None and w.reason:
+            return phase, f"{w.reason} ({cs.name}" + (f": {w.message}" if w.message else "") + \
+                (f"; {cs.restart_count} restarts)" if cs.restart_count else ")")
+    if phase == "Running":
+        restarts = sum(cs.restart_count or 0 for cs in (st.container_statuses or []))
+        return phase, f"{restarts} restarts" if restarts else ""
+    return phase, st.reason or ""
+
+
+def pod_states(api, namespace: str, jobset: str) -> dict[str, list[dict]]:
+    """Per stage, each pod's name, phase and why."""
+    from kubernetes import client
+
+    out: dict[str, list[dict]] = {}
+    pods = client.CoreV1Api(api).list_namespaced_pod(
+        namespace, label_selector=f"jobset.sigs.k8s.io/jobset-name={jobset}").items
+    for p in sorted(pods, key=lambda p: p.metadata.name):
+        stage = (p.metadata.labels or {}).get("jobset.sigs.k8s.io/replicatedjob-name", "?")
+        phase, why = pod_state(p)
+        out.setdefault(stage, []).append({"name": p.metadata.name, "phase": phase, "why": why})
+    return out
 
 
 def store_progress(store, run_id: str) -> dict:
@@ -272,10 +409,39 @@ def print_status(states: dict, progress: dict | None) -> None:
                   x.get("completed_indexes", ""), x.get("failed_indexes", ""),
                   f"{p['committed_shards']} shards{' , complete' if p['complete'] else ''}" if p else "-")
     console.print(t)
+    pods = [(s, pod) for s, x in states["stages"].items() for pod in x.get("pods", [])]
+    if pods:
+        t = Table(title="pods")
+        for c in ("stage", "pod", "phase", "why"):
+            t.add_column(c)
+        for s, pod in pods:
+            t.add_row(s, pod["name"], pod["phase"], pod["why"])
+        console.print(t)
 
 
-def watch(api, namespace: str, run_id: str, timeout_s: float | None = None, store=None) -> WatchExit:
-    """Follow the JobSet until it finishes; survives dropped watches and 410 Gone."""
+def heartbeat_line(states: dict) -> str:
+    """One line that says the watch is alive and where the run stands."""
+    parts = []
+    for s, x in states["stages"].items():
+        if x["state"] in ("Waiting", "Complete"):
+            continue
+        pods = x.get("pods", [])
+        why = "; ".join(f"{p['name'].rsplit('-', 1)[0]} {p['phase']}" + (f" {p['why']}" if p["why"] else "")
+                        for p in pods[:4]) + (f"; +{len(pods) - 4} pods" if len(pods) > 4 else "")
+        parts.append(f"{s} {x['state']}" + (f" [{why}]" if why else ""))
+    done = [s for s, x in states["stages"].items() if x["state"] == "Complete"]
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    return (f"{stamp} {states['jobset']} {states['state']}: " + (", ".join(parts) or "nothing running") +
+            (f" (done: {', '.join(done)})" if done else ""))
+
+
+HEARTBEAT_S = 600.0
+
+
+def watch(api, namespace: str, run_id: str, timeout_s: float | None = None, store=None,
+          heartbeat_s: float = HEARTBEAT_S) -> WatchExit:
+    """Follow the JobSet until it finishes; survives dropped watches and 410 Gone. A table on every
+    change of a stage or pod state; between changes, a heartbeat line every heartbeat_s."""
     from kubernetes import client, watch as kwatch
     from kubernetes.client.exceptions import ApiException
 
@@ -284,14 +450,20 @@ def watch(api, namespace: str, run_id: str, timeout_s: float | None = None, stor
     custom = client.CustomObjectsApi(api)
     rv = None
     last = None
+    spoke = time.monotonic()
     while True:
         states = stage_states(api, namespace, run_id)
         if states["state"] == "NotFound":
             return WatchExit.GONE
-        summary = (states["state"], tuple(sorted((k, v["state"]) for k, v in states["stages"].items())))
+        summary = (states["state"], tuple(sorted((k, v["state"], tuple((p["name"], p["phase"], p["why"].split(" for ")[0])
+                                                                      for p in v.get("pods", [])))
+                                                 for k, v in states["stages"].items())))
         if summary != last:
             print_status(states, store_progress(store, run_id) if store is not None else None)
-            last = summary
+            last, spoke = summary, time.monotonic()
+        elif time.monotonic() - spoke >= heartbeat_s:
+            console.print(heartbeat_line(states), soft_wrap=True, markup=False, highlight=False)
+            spoke = time.monotonic()
         if states["state"] == "Completed":
             return WatchExit.SUCCEEDED
         if states["state"] == "Failed":
@@ -299,7 +471,9 @@ def watch(api, namespace: str, run_id: str, timeout_s: float | None = None, stor
         if deadline and time.monotonic() > deadline:
             return WatchExit.TIMEOUT
         rv = rv or states.get("resource_version")
-        remaining = int(max(1, min(300, deadline - time.monotonic()))) if deadline else 300
+        # wake up for the heartbeat, and at least every 5 minutes: pod changes are not JobSet events
+        wait = max(1.0, min(300.0, heartbeat_s - (time.monotonic() - spoke)))
+        remaining = int(max(1, min(wait, deadline - time.monotonic()))) if deadline else int(wait)
         w = kwatch.Watch()
         try:
             for ev in w.stream(custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
@@ -322,7 +496,10 @@ def watch(api, namespace: str, run_id: str, timeout_s: float | None = None, stor
 
 
 def logs(api, namespace: str, run_id: str, stage: str | None = None, tail: int | None = None) -> str:
+    """Each pod's worker log. A worker that has not started yet has no log (the API answers 400):
+    then the vLLM sidecar's log, where there is one, and the pod's events say why it waits."""
     from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
 
     core = client.CoreV1Api(api)
     sel = f"jobset.sigs.k8s.io/jobset-name={jobset_name(run_id)}"
@@ -330,7 +507,38 @@ def logs(api, namespace: str, run_id: str, stage: str | None = None, tail: int |
         sel += f",jobset.sigs.k8s.io/replicatedjob-name={stage}"
     out = []
     for p in sorted(core.list_namespaced_pod(namespace, label_selector=sel).items, key=lambda p: p.metadata.name):
-        text = core.read_namespaced_pod_log(p.metadata.name, namespace, container="worker", tail_lines=tail)
-        out.append(f"==> {p.metadata.name} <==\n{text}")
+        name = p.metadata.name
+        phase, why = pod_state(p)
+        containers = ["worker"] + [c.name for c in (p.spec.init_containers or []) if c.name != "worker"]
+        shown = False
+        for c in containers:
+            try:
+                text = core.read_namespaced_pod_log(name, namespace, container=c, tail_lines=tail)
+            except ApiException as e:
+                if e.status in (400, 404):  # waiting to start, or no such container yet
+                    continue
+                raise
+            out.append(f"==> {name} [{c}] <==\n{text}")
+            shown = True
+            if c == "worker":
+                break
+        if c != "worker" or not shown:
+            out.append(f"==> {name}: {phase}{f' ({why})' if why else ''}; worker not started <==")
+            out.append(pod_events(core, namespace, name))
     return "\n".join(out)
 
+
+def pod_events(core, namespace: str, pod: str) -> str:
+    """The pod's events, oldest first, as `kubectl describe` lists them."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        evs = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={pod}").items
+    except ApiException as e:
+        if e.status == 403:
+            return "  (events not readable: bind the submitter Role of k8s/cluster-setup, which may list events)"
+        raise
+    evs.sort(key=lambda e: str(e.last_timestamp or e.event_time or e.metadata.creation_timestamp or ""))
+    lines = [f"  {e.type or '':8} {e.reason or '':22} {(e.message or '').strip()}" + (f" (x{e.count})" if (e.count or 1) > 1 else "")
+             for e in evs]
+    return "\n".join(["  events:"] + lines) if lines else "  events: none"

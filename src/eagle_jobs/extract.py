@@ -384,4 +384,6 @@ def _pack_and_commit(recipe, stage: Stage, name: str, rows, states, layer_ids, h
         "verifier": recipe.verifier.model, "tokens": sum(e["num_tokens"] for e in index),
         "settings_digest": extract_digest(recipe),
     })
+    console.print(f"  committed {name}: {len(index)} samples, {sum(e['num_tokens'] for e in index):,} tokens, "
+                  f"{len(blob) / 2**20:,.1f} MiB", soft_wrap=True, markup=False, highlight=False)
     return skipped

@@ -1,7 +1,13 @@
-"""Rich progress for everything long: items, tokens/s and ETA."""
+"""Progress for everything long: items, tokens/s and ETA.
+
+On a terminal, a rich live bar. Elsewhere (a pod's log, CI, a pipe) rich's live display prints
+nothing until the stage ends, so there each stage prints plain lines instead: one every
+EAGLE_JOBS_PROGRESS_INTERVAL_S seconds (default 30) while it advances, and one at the end.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 
@@ -23,18 +29,59 @@ class TokensPerSecond(ProgressColumn):
         return Text(f"{rate:,.0f} tok/s", style="cyan")
 
 
+def _eta(done: int, total: int, elapsed: float) -> str:
+    if not done or done >= total:
+        return "0:00"
+    left = int(elapsed * (total - done) / done)
+    return f"{left // 3600}:{left % 3600 // 60:02d}:{left % 60:02d}" if left >= 3600 else f"{left // 60}:{left % 60:02d}"
+
+
+def progress_line(description: str, done: int, total: int, unit: str, tokens: int, elapsed: float) -> str:
+    pct = 100.0 * done / total if total else 100.0
+    rate = f", {tokens:,} tokens, {tokens / elapsed:,.0f} tok/s" if tokens and elapsed > 0 else ""
+    return (f"  {description}: {done}/{total} {unit} ({pct:.0f}%){rate}, "
+            f"elapsed {int(elapsed) // 60}:{int(elapsed) % 60:02d}, ETA {_eta(done, total, elapsed)}")
+
+
+class PlainTicker:
+    """Plain progress lines, at most one per interval, for logs that no live display reaches."""
+
+    def __init__(self, description: str, total: int, unit: str):
+        self.description, self.total, self.unit = description, total, unit
+        self.interval = float(os.environ.get("EAGLE_JOBS_PROGRESS_INTERVAL_S", "30"))
+        self.start = self.printed = time.perf_counter()
+        self.done = self.tokens = 0
+
+    def tick(self, n: int = 1, tokens: int = 0) -> None:
+        self.done += n
+        self.tokens += tokens
+        now = time.perf_counter()
+        if now - self.printed >= self.interval and self.done < self.total:
+            self.printed = now
+            self.line()
+
+    def line(self) -> None:
+        console.print(progress_line(self.description, self.done, self.total, self.unit, self.tokens,
+                                    time.perf_counter() - self.start), soft_wrap=True, markup=False, highlight=False)
+
+
 @contextmanager
 def stage_progress(description: str, total: int, unit: str = "items"):
     """Yields advance(n_items, n_tokens)."""
+    if not console.is_terminal:
+        ticker = PlainTicker(description, total, unit)
+        yield ticker.tick
+        ticker.line()
+        return
+    start = time.perf_counter()
+    state = {"tokens": 0}
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
         TextColumn(unit), TaskProgressColumn(), TokensPerSecond(), TimeElapsedColumn(),
         TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=False,
     )
-    start = time.perf_counter()
     with progress:
         task = progress.add_task(description, total=total, tokens=0)
-        state = {"tokens": 0}
 
         def advance(n: int = 1, tokens: int = 0) -> None:
             state["tokens"] += tokens

@@ -84,7 +84,9 @@ def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
         "run_id": run_id, "recipe_digest": train_cfg.get("recipe_digest"),
         "verifier": recipe["verifier"]["model"], "verifier_revision": recipe["verifier"].get("revision"),
         "data_manifests_sha256": _manifest_hashes(store, run_id), "git_commit": _git_commit(),
-        "image_digests": image_digests or json.loads(os.environ.get("EAGLE_JOBS_IMAGE_DIGESTS", "{}")),
+        # what submit --image pinned (recorded by train from the run's ConfigMap), or what the caller says
+        "image_digests": image_digests or train_cfg.get("image_digests") or
+        json.loads(os.environ.get("EAGLE_JOBS_IMAGE_DIGESTS") or "{}"),
         "acceptance_length": tau, "per_position_acceptance": report["per_position_acceptance"],
         "prompts_sha256": report.get("prompts_sha256"), "report": dest.url(f"{prefix}/eval/report.md"),
         "prompt_sets": {n: x["acceptance_length"] for n, x in sets.items()},
@@ -100,3 +102,53 @@ def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
                   + (f", was {current['acceptance_length']:.3f} from '{current['run_id']}'" if current else "")
                   + f") to {dest.url(prefix)}")
     return lineage
+
+
+def report_summary(store: Store, run_id: str) -> str:
+    """Markdown for a CI job summary: τ per prompt set beside its untrained baseline, and the report."""
+    ev = Stage(store, run_id, "eval")
+    m = ev.manifest("report")
+    if m is None:
+        return f"### {run_id}\n\nno evaluation report yet\n"
+    rep = json.loads(ev.read("report.json", m["files"]["report.json"]))
+    lines = [f"### {run_id}", "", f"k = {rep['num_speculative_tokens']}; report: {store.url(ev.key('data/report.md'))}", "",
+             "| prompt set | prompts | τ | untrained | per-position acceptance |", "|---|---|---|---|---|"]
+    for name, x in (rep.get("prompt_sets") or {"prompts": rep}).items():
+        base = x.get("baseline_acceptance_length")
+        lines.append(f"| {name} | {x['num_prompts']} | {x['acceptance_length']:.3f} | "
+                     f"{'-' if base is None else f'{base:.3f}'} | "
+                     f"{' / '.join(f'{a:.2f}' for a in x['per_position_acceptance'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def reconcile(store: Store, dest_uri: str, prefix: str = "", tolerance: float = 0.01) -> list[dict]:
+    """Decide, once, every run whose evaluation is complete: promote it if it is at least as good.
+
+    CI submits a run and returns (a GitHub-hosted job dies at 6 hours; a Kimi-K2.5 run takes days);
+    this runs on a schedule instead, where waiting costs nothing. Each decision is written to
+    <dest>/decisions/<run-id>.json, so a run is decided once, whatever the schedule. Runs still in
+    progress are left for a later pass.
+    """
+    dest = Store.open(dest_uri)
+    dest.check()
+    decided = []
+    for key in store.list(""):
+        run_id = key.rstrip("/").rsplit("/", 1)[-1]
+        if not run_id.startswith(prefix) or not Stage(store, run_id, "eval").is_complete():
+            continue
+        if dest.exists(f"decisions/{run_id}.json"):
+            continue
+        try:
+            lineage = promote(store, run_id, dest_uri, tolerance)
+            decision = {"run_id": run_id, "promoted": True, "why": "at least as good on every shared prompt set",
+                        "lineage": dest.url(f"versions/{run_id}/lineage.json")}
+        except EagleJobsError as e:  # not better (9) or not comparable (3): decided, not retried
+            if e.code not in (ExitCode.NOT_BETTER, ExitCode.BAD_INPUT):
+                raise
+            lineage, decision = None, {"run_id": run_id, "promoted": False, "why": str(e)}
+        decision["decided_at"] = time.time()
+        dest.put_json(f"decisions/{run_id}.json", decision)
+        decision["summary"] = report_summary(store, run_id)
+        decided.append(decision)
+        console.print(f"reconcile: {run_id}: {'promoted' if lineage else 'kept the promoted draft'}")
+    return decided

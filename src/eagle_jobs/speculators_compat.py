@@ -47,6 +47,8 @@ from speculators.train import checkpointer as _ckpt
 from speculators.train import trainer as _trainer
 from speculators.train.graceful_shutdown import TrainingInterruptedError, with_graceful_shutdown
 
+from eagle_jobs.progress import PlainTicker, console
+
 PINNED = "0.9.0"
 INSTALLED = importlib.metadata.version("speculators")
 if INSTALLED.split("+")[0] != PINNED:  # pragma: no cover - guarded by the pin
@@ -192,9 +194,16 @@ class StoreTrainer(_trainer.Trainer):
     def train_epoch(self, epoch: int, *, step_callback=None):
         self._cur_epoch = epoch
         self._cur_step = getattr(self, "_resume_local_step", 0) if epoch == self.current_epoch else 0
+        # speculators' tqdm.rich bar prints nothing off a terminal (a pod's log): plain lines there
+        ticker = None
+        if self.rank == 0 and not console.is_terminal:
+            ticker = PlainTicker(f"train epoch {epoch}", len(self.train_loader), "steps")
+            ticker.done = self._cur_step
 
         def counted():
             self._cur_step += 1
+            if ticker is not None:
+                ticker.tick()
             if step_callback:
                 step_callback()
             if self._stop_agreed():  # 6

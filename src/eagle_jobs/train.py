@@ -390,18 +390,23 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
         "aux_layer_ids": aux, "attention": attn, "loss_implementation": loss_impl,
         "hidden_states_dtype": str(hs_dtype).removeprefix("torch."), "recipe_digest": recipe.digest(),
         "vocab_coverage": coverage,
+        # the images this run's pods ran, when submit pinned them by digest (lineage: promote copies it)
+        "image_digests": json.loads(os.environ.get("EAGLE_JOBS_IMAGE_DIGESTS") or "{}"),
     }
     recorder = compat.MetricsRecorder()
     if resumed_metrics.is_file():  # the epochs before a resume: their validation chooses the checkpoint too
         recorder.records = json.loads(resumed_metrics.read_text())
     logging.getLogger("speculators.metrics").addHandler(recorder)
     logging.getLogger("speculators.metrics").setLevel(logging.INFO)
+    board = tensorboard_handler(work / "tensorboard") if get_rank() == 0 else None
 
     def on_checkpoint(epoch: int, local_step: int) -> None:
         (ckpt_dir / str(epoch) / "train_config.json").write_text(json.dumps(record, indent=1))
         (ckpt_dir / str(epoch) / "metrics.json").write_text(json.dumps(recorder.records))
         commit_checkpoint(stage, ckpt_dir, epoch, local_step, {"recipe_digest": recipe.train_digest()})
         prune_local_checkpoints(ckpt_dir, epoch)
+        if board is not None:
+            upload_tensorboard(board, work / "tensorboard", stage)
 
     trainer = compat.StoreTrainer(model, cfg, train_loader, val_loader, on_checkpoint=on_checkpoint)
     trainer.run_training()  # its CPU warning filters live in compat (adaptation 4)
@@ -421,8 +426,34 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
             console.print(f"  exporting epoch {sel['epoch']} (tau estimate {sel['tau_estimate']:.3f}), "
                           f"not the last ({sel['per_epoch'].get(str(last), float('nan')):.3f})")
         export_final(stage, ckpt_dir / str(sel["epoch"]), record, recipe)
+    if board is not None:
+        upload_tensorboard(board, work / "tensorboard", stage)  # the validation of the last epoch too
+        logging.getLogger("speculators.metrics").removeHandler(board)
+        board.close()
     maybe_destroy_distributed()
     return record
+
+
+def tensorboard_handler(log_dir: Path) -> logging.Handler:
+    """speculators' own TensorBoard handler on its metric logger: loss, accuracies, lr per step."""
+    from speculators.train.logger import TensorBoardHandler
+
+    metrics = logging.getLogger("speculators.metrics")
+    for h in [h for h in metrics.handlers if isinstance(h, TensorBoardHandler)]:  # an earlier run in this process
+        metrics.removeHandler(h)
+        h.close()
+    handler = TensorBoardHandler(log_dir=str(log_dir), run_name="attempt-{utc_time}")  # one per pod attempt
+    metrics.addHandler(handler)
+    return handler
+
+
+def upload_tensorboard(handler: logging.Handler, log_dir: Path, stage: Stage) -> None:
+    """The event files to <run>/train/data/tensorboard/, beside the checkpoints, on every checkpoint:
+    `aws s3 sync` that prefix and point TensorBoard at it. Logs, not a commit: later stages never read them."""
+    handler.flush()
+    for f in sorted(log_dir.rglob("*")):
+        if f.is_file():
+            stage.store.put(stage.key(f"data/tensorboard/{f.relative_to(log_dir).as_posix()}"), f.read_bytes())
 
 
 def export_final(stage: Stage, ckpt: Path, record: dict, recipe: Recipe) -> None:
