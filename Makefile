@@ -56,6 +56,6 @@ clean:
 
 # kustomize reads files only below each kustomization: keep the recipe copies equal to jobs/
 k8s-recipes:
-	cp jobs/demo-transformers.yaml k8s/base/recipe.yaml
+	cp jobs/demo-dev.yaml k8s/base/recipe.yaml
 	cp jobs/kimi-k2.5-smoke.yaml k8s/overlays/smoke/recipe.yaml
 	cp jobs/kimi-k2.5.yaml k8s/overlays/full/recipe.yaml

