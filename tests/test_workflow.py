@@ -65,6 +65,8 @@ def test_submitter_role_is_least_privilege():
     assert verbs[("batch", "jobs")] == {"get", "list", "watch"}
     assert verbs[("", "pods/log")] == {"get"}
     assert verbs[("", "events")] == {"list"}  # `logs` shows why a pod waits
+    # submit applies only per-run objects: the shared ones of k8s/cluster-setup are read, never written
+    assert verbs[("", "serviceaccounts")] == {"get"} and ("networking.k8s.io", "networkpolicies") not in verbs
     assert not any(r in ("secrets", "pods/exec", "*") for _g, r in verbs)
     assert not any("*" in v for v in verbs.values())
     assert not any(d["kind"].startswith("Cluster") for d in docs)
