@@ -106,6 +106,50 @@ def _strict(schema):
     return schema
 
 
+def _jobset_schema() -> dict:
+    """The CRD's v1alpha2 schema, made strict (unknown fields rejected)."""
+    crd = yaml.safe_load(_crd_path().read_text())
+    (ver,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
+    schema = _strict(copy.deepcopy(ver["schema"]["openAPIV3Schema"]))
+    schema["properties"]["metadata"] = {"type": "object"}
+    return schema
+
+
+def _render_overlay(tmp_path: Path, kustomization: dict, files: dict[str, str] | None = None) -> list[dict]:
+    """An overlay written for one test, its paths relative to this repository's k8s/ (kustomize refuses
+    absolute ones), rendered as `kubectl kustomize` renders the shipped ones."""
+    ovl = tmp_path / "overlay"
+    ovl.mkdir()
+    rel = os.path.relpath(REPO / "k8s", ovl)
+    k = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", **kustomization}
+    for key in ("resources", "components"):
+        if key in k:
+            k[key] = [f"{rel}/{x}" for x in k[key]]
+    (ovl / "kustomization.yaml").write_text(yaml.safe_dump(k))
+    for name, text in (files or {}).items():
+        (ovl / name).write_text(text)
+    r = subprocess.run([shutil.which("kubectl"), "kustomize", str(ovl)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def _printing_vllm(tmp_path: Path) -> Path:
+    """A `vllm` on PATH that prints how it was exec'd (its path, then one argument per line)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    (bindir / "vllm").write_text('#!/bin/sh\nprintf "%s\\n" "$0" "$@"\n')
+    (bindir / "vllm").chmod(0o755)
+    return bindir
+
+
+def _pod_cli(container: dict, tmp_path: Path, env: dict, timeout: int = 120) -> subprocess.CompletedProcess:
+    """A container's `eagle-jobs` args run here, its mounts (/etc/eagle-jobs, /work) under tmp_path."""
+    args = [a.replace("/etc/eagle-jobs", str(tmp_path / "etc")).replace("/work", str(tmp_path / "work"))
+            for a in container["args"]]
+    return subprocess.run([sys.executable, "-m", "eagle_jobs.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_core_kinds_validate_strictly(rendered, overlay, tmp_path):
     docs = [d for d in rendered[overlay] if d["kind"] != "JobSet"]
@@ -125,10 +169,7 @@ def test_core_kinds_validate_strictly(rendered, overlay, tmp_path):
 def test_jobset_matches_crd_schema(rendered, overlay):
     import jsonschema
 
-    crd = yaml.safe_load(_crd_path().read_text())
-    (ver,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
-    schema = _strict(copy.deepcopy(ver["schema"]["openAPIV3Schema"]))
-    schema["properties"]["metadata"] = {"type": "object"}
+    schema = _jobset_schema()
     js = _jobset(rendered[overlay])
     assert js["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
     jsonschema.validate(js, schema)
@@ -290,28 +331,20 @@ def test_overlays_hold_only_per_run_objects_with_hashed_configmaps(rendered, ove
     assert refs == names  # rewritten by k8s/base/kustomizeconfig.yaml everywhere, components included
 
 
-def test_another_recipe_is_another_configmap_so_a_running_jobset_keeps_its_own(tmp_path):
+def test_another_recipe_is_another_configmap_so_a_running_jobset_keeps_its_own(rendered, tmp_path):
     """Applying the same overlay with an edited recipe creates a new ConfigMap (and the immutable JobSet
     refuses the changed template: a run is never switched to another recipe mid-run)."""
-    kubectl = shutil.which("kubectl")
-    ovl = tmp_path / "overlay"
-    ovl.mkdir()
-    rel = os.path.relpath(REPO / "k8s/overlays/full", ovl)
     edited = (REPO / "jobs/kimi-k2.5.yaml").read_text().replace("epochs: 10", "epochs: 11")
     assert edited != (REPO / "jobs/kimi-k2.5.yaml").read_text()
-    (ovl / "recipe.yaml").write_text(edited)
-    (ovl / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": [rel],
-        "configMapGenerator": [{"name": "eagle-jobs-recipe", "behavior": "replace", "files": ["recipe.yaml"]}]}))
 
-    def recipe_map(path):
-        out = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, check=True).stdout
-        docs = [d for d in yaml.safe_load_all(out) if d]
+    def recipe_map(docs):
         (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("eagle-jobs-recipe-")]
         vol = next(v for v in _pod(_jobset(docs), "train")["volumes"] if v["name"] == "recipe")
         return cm["metadata"]["name"], vol["configMap"]["name"]
 
-    before, after = recipe_map(REPO / "k8s/overlays/full"), recipe_map(ovl)
+    before = recipe_map(rendered["full"])
+    after = recipe_map(_render_overlay(tmp_path, {"resources": ["overlays/full"], "configMapGenerator": [
+        {"name": "eagle-jobs-recipe", "behavior": "replace", "files": ["recipe.yaml"]}]}, {"recipe.yaml": edited}))
     assert before[0] == before[1] and after[0] == after[1] and before[0] != after[0]
 
 
@@ -502,15 +535,7 @@ def test_vllm_pods_prepare_then_exec_the_command_for_the_first_and_last_index(re
     secret = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
     (tmp_path / "etc").mkdir()
     (tmp_path / "etc" / "recipe.yaml").write_text(cms["eagle-jobs-recipe"]["recipe.yaml"])
-    bindir = tmp_path / "bin"  # a `vllm` that prints what it was exec'd with
-    bindir.mkdir()
-    (bindir / "vllm").write_text('#!/bin/sh\nprintf "%s\\n" "$0" "$@"\n')
-    (bindir / "vllm").chmod(0o755)
-
-    def paths(args):  # the pod's mounts, here
-        return [a.replace("/etc/eagle-jobs", str(tmp_path / "etc")).replace("/work", str(tmp_path / "work"))
-                for a in args]
-
+    bindir = _printing_vllm(tmp_path)
     for stage in ("capture", "extract"):
         job = _job(js, stage)
         names = [c["name"] for c in job["template"]["spec"]["initContainers"]]
@@ -525,12 +550,9 @@ def test_vllm_pods_prepare_then_exec_the_command_for_the_first_and_last_index(re
             run_env = {"PATH": f"{bindir}:{os.environ['PATH']}", "HOME": str(tmp_path), **secret, **_container_env(prepare, cms),
                        "JOB_COMPLETION_INDEX": str(index), "EAGLE_JOBS_STORE": f"file://{tmp_path}/store",
                        "HF_HUB_OFFLINE": "1"}
-            r = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", *paths(prepare["args"])], env=run_env,
-                               capture_output=True, text=True, timeout=120)
+            r = _pod_cli(prepare, tmp_path, run_env)
             assert r.returncode == 0, (overlay, stage, index, r.stderr[-800:])
-            run_env = {**run_env, **_container_env(sidecar, cms)}
-            r = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", *paths(sidecar["args"])], env=run_env,
-                               capture_output=True, text=True, timeout=120)
+            r = _pod_cli(sidecar, tmp_path, {**run_env, **_container_env(sidecar, cms)})
             assert r.returncode == 0, (overlay, stage, index, r.stderr[-800:])
             cmd = r.stdout.splitlines()
             assert cmd[0] == str(bindir / "vllm") and cmd[1] == "serve" and "--tensor-parallel-size" in cmd
@@ -553,9 +575,7 @@ def test_a_bad_recipe_fails_the_prepare_container_and_the_job(rendered, overlay,
     for stage in ("capture", "extract", "evaluate"):
         job = _job(js, stage)
         prepare = job["template"]["spec"]["initContainers"][0]
-        args = [a.replace("/etc/eagle-jobs", str(tmp_path / "etc")) for a in prepare["args"]]
-        r = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", *args], capture_output=True, text=True,
-                           timeout=120, env={**os.environ, "EAGLE_JOBS_STORE": f"file://{tmp_path}/store"})
+        r = _pod_cli(prepare, tmp_path, {**os.environ, "EAGLE_JOBS_STORE": f"file://{tmp_path}/store"})
         assert r.returncode == 3 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         rule = next(rl for rl in job["podFailurePolicy"]["rules"]
                     if rl.get("onExitCodes", {}).get("containerName") == "prepare" and 3 in rl["onExitCodes"]["values"])
@@ -624,6 +644,11 @@ def test_every_pod_requests_the_disk_its_volumes_may_fill(rendered, overlay):
             running = pod["containers"] + [c for c in pod.get("initContainers", []) if c.get("restartPolicy") == "Always"]
             asked = sum(gib(c.get("resources", {}).get("requests", {}).get("ephemeral-storage", "0Gi")) for c in running)
             assert asked >= disk > 0, (overlay, d["metadata"]["name"], asked, disk)
+            # a memory-backed emptyDir (/dev/shm) is charged to the pod's memory limit: it must fit inside it
+            shm = sum(gib(v["emptyDir"]["sizeLimit"]) for v in pod.get("volumes", [])
+                      if v.get("emptyDir", {}).get("medium") == "Memory")
+            memory = sum(gib(c.get("resources", {}).get("limits", {}).get("memory", "0Gi")) for c in running)
+            assert shm < memory or not shm, (overlay, d["metadata"]["name"], shm, memory)
 
 
 @pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
@@ -702,29 +727,16 @@ def test_weights_volume_component_mounts_the_claim_read_only_where_the_verifier_
     admitted, and the vLLM sidecar serves the mounted directory in place (no runai, no hub)."""
     import jsonschema
 
-    kubectl = shutil.which("kubectl")
-    ovl = tmp_path / "overlay"
-    ovl.mkdir()
-    rel = os.path.relpath(REPO / "k8s", ovl)
     weights = "file:///models/moonshotai/Kimi-K2.5/4d01dfe0332d63057c186e0b262165819efb6611"
     recipe = yaml.safe_load((REPO / "jobs/kimi-k2.5.yaml").read_text())
     recipe["verifier"]["weights"] = weights
-    (ovl / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    (ovl / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [f"{rel}/base"],
-        "components": [f"{rel}/components/{c}" for c in ("blackwell-8gpu", "vllm-sidecar", "weights-volume")],
-        "configMapGenerator": [{"name": "eagle-jobs-recipe", "behavior": "replace", "files": ["recipe.yaml"]}]}))
-    r = subprocess.run([kubectl, "kustomize", str(ovl)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    docs = _render_overlay(tmp_path, {
+        "resources": ["base"], "components": [f"components/{c}" for c in ("blackwell-8gpu", "vllm-sidecar", "weights-volume")],
+        "configMapGenerator": [{"name": "eagle-jobs-recipe", "behavior": "replace", "files": ["recipe.yaml"]}]},
+        {"recipe.yaml": yaml.safe_dump(recipe)})
     js = _jobset(docs)
     assert [rj["name"] for rj in js["spec"]["replicatedJobs"]] == STAGES
-    crd = yaml.safe_load(_crd_path().read_text())
-    (ver,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
-    schema = _strict(copy.deepcopy(ver["schema"]["openAPIV3Schema"]))
-    schema["properties"]["metadata"] = {"type": "object"}
-    jsonschema.validate(js, schema)
+    jsonschema.validate(js, _jobset_schema())
     assert webhook_name_problems(js) == []
     for stage in STAGES:
         pod = _pod(js, stage)
@@ -742,27 +754,19 @@ def test_weights_volume_component_mounts_the_claim_read_only_where_the_verifier_
     (tmp_path / "work").mkdir()
     (tmp_path / "etc" / "recipe.yaml").write_text(here)
     prepare, sidecar = _pod(js, "capture")["initContainers"]
+    bindir = _printing_vllm(tmp_path)
     env = {**os.environ, "EAGLE_JOBS_STORE": f"file://{tmp_path}/store", "HOME": str(tmp_path),
-           "JOB_COMPLETION_INDEX": "0", "HF_HUB_OFFLINE": "1"}
-
-    def cli(c):
-        args = [a.replace("/etc/eagle-jobs", str(tmp_path / "etc")).replace("/work", str(tmp_path / "work"))
-                for a in c["args"]]
-        return subprocess.run([sys.executable, "-m", "eagle_jobs.cli", *args], capture_output=True, text=True,
-                              timeout=120, env={**env, "PATH": f"{tmp_path / 'bin'}:{env['PATH']}"})
-
-    r = cli(prepare)
+           "JOB_COMPLETION_INDEX": "0", "HF_HUB_OFFLINE": "1", "PATH": f"{bindir}:{os.environ['PATH']}"}
+    r = _pod_cli(prepare, tmp_path, env)
     assert r.returncode == 3 and "MIRROR.json" in r.stderr  # nothing mounted there yet: refused before vLLM
     (local / "MIRROR.json").write_text(json.dumps({"model": recipe["verifier"]["model"],
                                                    "revision": recipe["verifier"]["revision"], "files": {}, "bytes": 0}))
-    assert cli(prepare).returncode == 0
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "vllm").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
-    (tmp_path / "bin" / "vllm").chmod(0o755)
-    r = cli(sidecar)
+    assert _pod_cli(prepare, tmp_path, env).returncode == 0
+    r = _pod_cli(sidecar, tmp_path, env)
     assert r.returncode == 0, r.stderr[-800:]
     cmd = r.stdout.splitlines()
-    assert cmd[:2] == ["serve", str(local)] and "--load-format" not in cmd and "--revision" not in cmd
+    assert cmd[:3] == [str(bindir / "vllm"), "serve", str(local)]
+    assert "--load-format" not in cmd and "--revision" not in cmd
 
 
 def test_monitoring_scrapes_the_vllm_port_and_only_prometheus_may_reach_it(rendered):
@@ -791,15 +795,7 @@ def test_monitoring_scrapes_the_vllm_port_and_only_prometheus_may_reach_it(rende
 
 
 def test_kueue_component_queues_the_whole_jobset(tmp_path):
-    ovl = tmp_path / "overlay"
-    ovl.mkdir()
-    rel = os.path.relpath(REPO / "k8s", ovl)
-    (ovl / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [f"{rel}/overlays/full"], "components": [f"{rel}/components/kueue"]}))
-    r = subprocess.run(["kubectl", "kustomize", str(ovl)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    js = _jobset([d for d in yaml.safe_load_all(r.stdout) if d])
+    js = _jobset(_render_overlay(tmp_path, {"resources": ["overlays/full"], "components": ["components/kueue"]}))
     # Kueue (kueue.x-k8s.io, JobSet integration) manages a JobSet that carries this label on itself
     assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "eagle-jobs"
     assert webhook_name_problems(js) == []
@@ -814,10 +810,7 @@ def test_dev_sidecars_serve_the_demo_on_cpu_where_probes_and_workers_look(render
     cms = _configmaps(rendered["dev"])
     (tmp_path / "etc").mkdir()
     (tmp_path / "etc" / "recipe.yaml").write_text(cms["eagle-jobs-recipe"]["recipe.yaml"])
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "vllm").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
-    (bindir / "vllm").chmod(0o755)
+    bindir = _printing_vllm(tmp_path)
     from eagle_jobs import vllm_cpu
 
     # evaluate's prepare first downloads the trained draft; its command is the same but for the draft
@@ -832,17 +825,13 @@ def test_dev_sidecars_serve_the_demo_on_cpu_where_probes_and_workers_look(render
                # the GGUF converted once per machine, as every other test here finds it
                "EAGLE_JOBS_CACHE": os.environ.get("EAGLE_JOBS_CACHE", str(Path.home() / ".cache" / "eagle-jobs"))}
         env.pop("AWS_ENDPOINT_URL")  # the in-cluster MinIO: a local store stands in for it
-        args = [a.replace("/etc/eagle-jobs", str(tmp_path / "etc")).replace("/work", str(tmp_path / "work"))
-                for a in prepare["args"]]
-        r = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", *args], env=env, capture_output=True, text=True,
-                           timeout=300)
+        r = _pod_cli(prepare, tmp_path, env, timeout=300)
         assert r.returncode == 0, (stage, r.stderr[-800:])
-        args = [a.replace("/work", str(tmp_path / "work")) for a in sidecar["args"]]
-        r = subprocess.run([sys.executable, "-m", "eagle_jobs.cli", *args], env={**env, **_container_env(sidecar, cms)},
-                           capture_output=True, text=True, timeout=120)
+        r = _pod_cli(sidecar, tmp_path, {**env, **_container_env(sidecar, cms)})
         assert r.returncode == 0, (stage, r.stderr[-800:])
         cmd = r.stdout.splitlines()
-        assert cmd[0] == "serve" and Path(cmd[1], "config.json").is_file()  # the GGUF, converted to a model dir
+        assert cmd[:2] == [str(bindir / "vllm"), "serve"]
+        assert Path(cmd[2], "config.json").is_file()  # the GGUF, converted to a model dir
         host = len(cmd) - 1 - cmd[::-1].index("--host")  # the last --host wins
         assert cmd[host + 1] == "0.0.0.0", cmd  # the kubelet probes the pod IP
         port = int(cmd[cmd.index("--port") + 1])

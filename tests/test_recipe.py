@@ -66,3 +66,30 @@ def test_cli_recipe_typo_exits_bad_input_with_one_line(tmp_path):
     assert r.returncode == 3
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "samplin" in lines[0] and str(p) in lines[0]
+
+
+def test_the_demo_variants_differ_from_the_demo_only_where_they_say():
+    """jobs/demo-dev.yaml is jobs/demo.yaml served by the pods' sidecars: only the name, the store, the
+    servers' port and host (the sidecar's default port, on the pod IP) and the scratch path may differ."""
+    import yaml
+
+    def core(path):
+        r = yaml.safe_load((REPO / "jobs" / path).read_text())
+        for k in ("name", "description", "store"):
+            r.pop(k)
+        r["extract"].pop("scratch_dir", None)
+        for stage in ("capture", "extract", "evaluate"):
+            v = r[stage]["vllm"]
+            v.pop("port", None)
+            args = v["serve_args"]
+            if "--host" in args:
+                i = args.index("--host")
+                del args[i:i + 2]
+        return r
+
+    assert core("demo-dev.yaml") == core("demo.yaml")
+    # demo-large: the same run on more conversations (a superset) for more epochs
+    large, demo = core("demo-large.yaml"), core("demo.yaml")
+    assert large["prompts"].pop("limit") > demo["prompts"].pop("limit")
+    assert large["train"].pop("epochs") > demo["train"].pop("epochs")
+    assert large == demo

@@ -332,16 +332,16 @@ def _capture_shards(recipe, stage: Stage, idx, n, todo, make_backend, totals: Sh
             rows.sort(key=lambda r: r["row_id"])
             blob = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
             name = shard_name(idx, n, k)
+            tokens = sum(len(r["input_ids"]) for r in rows)
             stage.commit_shard(name, {f"{name}.jsonl": blob}, {
-                "rows": len(rows), "tokens": sum(len(r["input_ids"]) for r in rows),
+                "rows": len(rows), "tokens": tokens,
                 "prompt_indices": [c.index for c in chunk], "prompt_sha256s": [c.sha for c in chunk],
                 "skipped_too_long": stats.skipped, "reused_conversations": stats.reused,
                 "settings_digest": capture_digest(recipe),
                 "verifier": recipe.verifier.model, "backend": recipe.capture.backend,
             })
-            console.print(f"  committed {name}: {len(chunk)} conversations, {len(rows)} rows, "
-                          f"{sum(len(r['input_ids']) for r in rows):,} tokens", soft_wrap=True, markup=False,
-                          highlight=False)
+            console.print(f"  committed {name}: {len(chunk)} conversations, {len(rows)} rows, {tokens:,} tokens",
+                          soft_wrap=True, markup=False, highlight=False)
             totals.rows += len(rows)
             totals.skipped_too_long += stats.skipped_too_long
             totals.reused += stats.reused

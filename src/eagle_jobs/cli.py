@@ -153,12 +153,13 @@ def status(run_id: Annotated[str, typer.Argument()], namespace: NsOpt = "eagle-j
 @app.command()
 def watch(run_id: Annotated[str, typer.Argument()], namespace: NsOpt = "eagle-jobs", kubeconfig: KubeOpt = None,
           store: StoreOpt = None, timeout: Annotated[Optional[float], typer.Option(help="seconds")] = None,
-          heartbeat: Annotated[float, typer.Option(help="seconds between 'still running' lines")] = 600.0):
+          heartbeat: Annotated[Optional[float], typer.Option(
+              help="seconds between 'still running' lines (default 600)")] = None):
     """Follow a run to its end: exit 0 only on success, a distinct code per kind of failure."""
     from eagle_jobs import cluster
 
     code = cluster.watch(cluster.api_client(kubeconfig), namespace, run_id, timeout, _store_or_none(store),
-                         heartbeat_s=heartbeat)
+                         heartbeat_s=heartbeat or cluster.HEARTBEAT_S)
     print(f"eagle-jobs: run {run_id}: {code.name.lower()}", file=sys.stderr)
     raise typer.Exit(int(code))
 

@@ -82,7 +82,7 @@ IMAGE_NAMES = {"capture": "ghcr.io/eagle-jobs/capture", "extract": "ghcr.io/eagl
                "train": "ghcr.io/eagle-jobs/train"}
 
 
-def pin_images(docs: list[dict], images: dict[str, str]) -> None:
+def pin_images(docs: list[dict], images: dict[str, str]) -> list[dict]:
     """Every container of an image that CI built from the commit runs exactly that build: by digest."""
     for name, ref in images.items():
         if name not in IMAGE_NAMES:
@@ -93,7 +93,7 @@ def pin_images(docs: list[dict], images: dict[str, str]) -> None:
     text = json.dumps(docs)
     for name, ref in images.items():
         text = re.sub(rf'"image": "{re.escape(IMAGE_NAMES[name])}(:[^"@]+)?(@sha256:[0-9a-f]+)?"', f'"image": "{ref}"', text)
-    docs[:] = json.loads(text)
+    return json.loads(text)
 
 
 def for_run(docs: list[dict], run_id: str, recipe_path: Path | None = None,
@@ -103,8 +103,7 @@ def for_run(docs: list[dict], run_id: str, recipe_path: Path | None = None,
     from eagle_jobs.recipe import load_recipe
 
     if images:
-        docs = json.loads(json.dumps(docs))
-        pin_images(docs, images)
+        docs = pin_images(docs, images)
 
     name = jobset_name(run_id)
     suffix = name.removeprefix("eagle-jobs-")
@@ -505,26 +504,29 @@ def logs(api, namespace: str, run_id: str, stage: str | None = None, tail: int |
     sel = f"jobset.sigs.k8s.io/jobset-name={jobset_name(run_id)}"
     if stage:
         sel += f",jobset.sigs.k8s.io/replicatedjob-name={stage}"
+
+    def read(pod: str, container: str) -> str | None:
+        try:
+            return core.read_namespaced_pod_log(pod, namespace, container=container, tail_lines=tail)
+        except ApiException as e:
+            if e.status in (400, 404):  # waiting to start, or no such container yet
+                return None
+            raise
+
     out = []
     for p in sorted(core.list_namespaced_pod(namespace, label_selector=sel).items, key=lambda p: p.metadata.name):
         name = p.metadata.name
+        text = read(name, "worker")
+        if text is not None:
+            out.append(f"==> {name} [worker] <==\n{text}")
+            continue
+        for c in (c.name for c in p.spec.init_containers or []):
+            text = read(name, c)
+            if text is not None:
+                out.append(f"==> {name} [{c}] <==\n{text}")
         phase, why = pod_state(p)
-        containers = ["worker"] + [c.name for c in (p.spec.init_containers or []) if c.name != "worker"]
-        shown = False
-        for c in containers:
-            try:
-                text = core.read_namespaced_pod_log(name, namespace, container=c, tail_lines=tail)
-            except ApiException as e:
-                if e.status in (400, 404):  # waiting to start, or no such container yet
-                    continue
-                raise
-            out.append(f"==> {name} [{c}] <==\n{text}")
-            shown = True
-            if c == "worker":
-                break
-        if c != "worker" or not shown:
-            out.append(f"==> {name}: {phase}{f' ({why})' if why else ''}; worker not started <==")
-            out.append(pod_events(core, namespace, name))
+        out.append(f"==> {name}: {phase}{f' ({why})' if why else ''}; worker not started <==")
+        out.append(pod_events(core, namespace, name))
     return "\n".join(out)
 
 

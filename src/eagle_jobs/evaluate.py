@@ -320,17 +320,17 @@ def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[lis
     with vllm_endpoint(recipe.evaluate.vllm, recipe.verifier, serve_args(recipe, draft_dir)) as base:
         model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
         kw = recipe.chat.template_kwargs()
+
+        def complete(msgs, c):
+            body = {"model": model, "messages": msgs, "max_tokens": recipe.evaluate.max_new_tokens,
+                    "temperature": 0.0, **({"chat_template_kwargs": kw} if kw else {})}
+            r = c.post(f"{base}/v1/chat/completions", json=body)
+            r.raise_for_status()
+            return r.json()["usage"]["completion_tokens"]
+
         for name, prompts in sets.items():
             before = parse_spec_metrics(httpx.get(f"{base}/metrics", timeout=30).text)
             tokens = 0
-
-            def complete(msgs, c):
-                body = {"model": model, "messages": msgs, "max_tokens": recipe.evaluate.max_new_tokens,
-                        "temperature": 0.0, **({"chat_template_kwargs": kw} if kw else {})}
-                r = c.post(f"{base}/v1/chat/completions", json=body)
-                r.raise_for_status()
-                return r.json()["usage"]["completion_tokens"]
-
             # the counters are server-wide: every request of this set ends before `after` is read
             with httpx.Client(timeout=recipe.evaluate.vllm.request_timeout_s) as c, \
                     ThreadPoolExecutor(recipe.evaluate.concurrency) as pool, \

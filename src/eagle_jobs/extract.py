@@ -378,12 +378,13 @@ def _pack_and_commit(recipe, stage: Stage, name: str, rows, states, layer_ids, h
         e["split"] = r["split"]
         e["prompt_index"] = r["prompt_index"]
         e["loss_tokens"] = int(sum(r["loss_mask"]))
+    tokens = sum(e["num_tokens"] for e in index)
     stage.commit_shard(name, {f"{name}.safetensors": blob}, {
         "format": "eagle-jobs/hidden-states/v1", "storage": recipe.extract.storage_dtype,
         "layer_ids": layer_ids, "hidden_size": hidden, "samples": index, "skipped": skipped,
-        "verifier": recipe.verifier.model, "tokens": sum(e["num_tokens"] for e in index),
+        "verifier": recipe.verifier.model, "tokens": tokens,
         "settings_digest": extract_digest(recipe),
     })
-    console.print(f"  committed {name}: {len(index)} samples, {sum(e['num_tokens'] for e in index):,} tokens, "
+    console.print(f"  committed {name}: {len(index)} samples, {tokens:,} tokens, "
                   f"{len(blob) / 2**20:,.1f} MiB", soft_wrap=True, markup=False, highlight=False)
     return skipped

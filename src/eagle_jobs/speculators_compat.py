@@ -17,7 +17,7 @@ exactly these points (each has a test in tests/test_speculators_compat.py):
    topology state, so the DDP/FSDP code paths (rank-0 saves, barriers, the
    distributed sampler) run, and are tested, on CPU (see below).
 
-Plus two behaviours we add through a subclass, not a patch:
+Plus three behaviours we add through a subclass, not a patch:
 5. after each checkpoint the directory is committed to the store (rank 0),
    optimizer and scheduler state converted from torch pickles to
    safetensors + JSON so nothing read back from a bucket is ever unpickled;
@@ -28,6 +28,10 @@ Plus two behaviours we add through a subclass, not a patch:
    a flag, and at the end of each optimizer step the ranks agree (an all-reduce
    of the flag) to stop together, at the same step; speculators' own handler
    then saves. A second signal more than FORCE_AFTER_S later stops at once.
+8. speculators' tqdm.rich bar prints nothing until it stops when stderr is not a
+   terminal (a pod's log): rank 0 then prints plain lines, steps done and ETA,
+   every EAGLE_JOBS_PROGRESS_INTERVAL_S (tested in tests/test_train.py,
+   test_loss_decreases_on_its_training_data).
 """
 
 from __future__ import annotations
@@ -194,7 +198,7 @@ class StoreTrainer(_trainer.Trainer):
     def train_epoch(self, epoch: int, *, step_callback=None):
         self._cur_epoch = epoch
         self._cur_step = getattr(self, "_resume_local_step", 0) if epoch == self.current_epoch else 0
-        # speculators' tqdm.rich bar prints nothing off a terminal (a pod's log): plain lines there
+        # 8: speculators' tqdm.rich bar prints nothing off a terminal (a pod's log): plain lines there
         ticker = None
         if self.rank == 0 and not console.is_terminal:
             ticker = PlainTicker(f"train epoch {epoch}", len(self.train_loader), "steps")

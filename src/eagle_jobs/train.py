@@ -398,7 +398,6 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
         recorder.records = json.loads(resumed_metrics.read_text())
     logging.getLogger("speculators.metrics").addHandler(recorder)
     logging.getLogger("speculators.metrics").setLevel(logging.INFO)
-    board = tensorboard_handler(work / "tensorboard") if get_rank() == 0 else None
 
     def on_checkpoint(epoch: int, local_step: int) -> None:
         (ckpt_dir / str(epoch) / "train_config.json").write_text(json.dumps(record, indent=1))
@@ -409,27 +408,32 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
             upload_tensorboard(board, work / "tensorboard", stage)
 
     trainer = compat.StoreTrainer(model, cfg, train_loader, val_loader, on_checkpoint=on_checkpoint)
-    trainer.run_training()  # its CPU warning filters live in compat (adaptation 4)
-    if trainer.interrupted:
-        maybe_destroy_distributed()
-        raise EagleJobsError("train: interrupted by a signal; the checkpoint is committed, rerun to resume",
-                             ExitCode.INTERRUPTED)
-    # 6. export: the epoch with the best held-out tau estimate, as vLLM serves it
-    if get_rank() == 0:
-        last = max(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and not p.is_symlink())
-        k = min(recipe.evaluate.num_speculative_tokens, recipe.train.ttt_steps)
-        record["selection"] = sel = select_epoch(recorder.records, k, last)
-        record["metrics"] = recorder.records
-        if not (ckpt_dir / str(sel["epoch"])).is_dir():  # pruned locally once committed: fetch it back
-            restore_epoch(stage, ckpt_dir, sel["epoch"])
-        if sel["epoch"] != last:
-            console.print(f"  exporting epoch {sel['epoch']} (tau estimate {sel['tau_estimate']:.3f}), "
-                          f"not the last ({sel['per_epoch'].get(str(last), float('nan')):.3f})")
-        export_final(stage, ckpt_dir / str(sel["epoch"]), record, recipe)
-    if board is not None:
-        upload_tensorboard(board, work / "tensorboard", stage)  # the validation of the last epoch too
-        logging.getLogger("speculators.metrics").removeHandler(board)
-        board.close()
+    board = tensorboard_handler(work / "tensorboard") if get_rank() == 0 else None
+    try:
+        trainer.run_training()  # its CPU warning filters live in compat (adaptation 4)
+        if trainer.interrupted:
+            maybe_destroy_distributed()
+            raise EagleJobsError("train: interrupted by a signal; the checkpoint is committed, rerun to resume",
+                                 ExitCode.INTERRUPTED)
+        # 6. export: the epoch with the best held-out tau estimate, as vLLM serves it
+        if get_rank() == 0:
+            last = max(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and not p.is_symlink())
+            k = min(recipe.evaluate.num_speculative_tokens, recipe.train.ttt_steps)
+            record["selection"] = sel = select_epoch(recorder.records, k, last)
+            record["metrics"] = recorder.records
+            if not (ckpt_dir / str(sel["epoch"])).is_dir():  # pruned locally once committed: fetch it back
+                restore_epoch(stage, ckpt_dir, sel["epoch"])
+            if sel["epoch"] != last:
+                console.print(f"  exporting epoch {sel['epoch']} (tau estimate {sel['tau_estimate']:.3f}), "
+                              f"not the last ({sel['per_epoch'].get(str(last), float('nan')):.3f})")
+            export_final(stage, ckpt_dir / str(sel["epoch"]), record, recipe)
+        if board is not None:
+            upload_tensorboard(board, work / "tensorboard", stage)  # the validation of the last epoch too
+    finally:  # off the process-wide logger whatever happened: a later run in this process gets its own
+        logging.getLogger("speculators.metrics").removeHandler(recorder)
+        if board is not None:
+            logging.getLogger("speculators.metrics").removeHandler(board)
+            board.close()
     maybe_destroy_distributed()
     return record
 
@@ -438,12 +442,8 @@ def tensorboard_handler(log_dir: Path) -> logging.Handler:
     """speculators' own TensorBoard handler on its metric logger: loss, accuracies, lr per step."""
     from speculators.train.logger import TensorBoardHandler
 
-    metrics = logging.getLogger("speculators.metrics")
-    for h in [h for h in metrics.handlers if isinstance(h, TensorBoardHandler)]:  # an earlier run in this process
-        metrics.removeHandler(h)
-        h.close()
     handler = TensorBoardHandler(log_dir=str(log_dir), run_name="attempt-{utc_time}")  # one per pod attempt
-    metrics.addHandler(handler)
+    logging.getLogger("speculators.metrics").addHandler(handler)
     return handler
 
 
