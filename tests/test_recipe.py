@@ -50,7 +50,7 @@ def test_unknown_key_names_file_and_key(tmp_path):
     ("aux_layer_ids: [2, 15, 27]", "aux_layer_ids: [15, 2, 27]", "strictly ascending"),
     # id 0 crashes vLLM's DeepSeek/Kimi aux capture (a None residual)
     ("aux_layer_ids: [2, 15, 27]", "aux_layer_ids: [0, 15, 27]", ">= 1"),
-    ("  backend: vllm\n  concurrency: 32", "  backend: tensorrt\n  concurrency: 32", "capture.backend"),
+    ("  backend: vllm\n  concurrency: 128", "  backend: tensorrt\n  concurrency: 128", "capture.backend"),
 ])
 def test_impossible_values_rejected(tmp_path, old, new, key):
     assert old in BASE

