@@ -298,6 +298,7 @@ class VllmBackend:
         import httpx
 
         conc = self.recipe.capture.concurrency
+
         async def main() -> None:
             timeout = httpx.Timeout(self.recipe.capture.vllm.request_timeout_s, connect=30)
             limits = httpx.Limits(max_connections=conc)
