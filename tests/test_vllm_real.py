@@ -255,9 +255,8 @@ def test_capture_shards_overlap_and_each_commits_its_own_conversations(smollm2_c
     stage = Stage(other, "o", "capture")
     shards = sorted(stage.manifests(), key=lambda m: m["shard"])
     assert [m["prompt_indices"] for m in shards] == [[0, 1, 2], [3, 4, 5], [6, 7]]
-    for m in shards:
-        rows = [json.loads(ln) for ln in stage.read(f"{m['shard']}.jsonl", m["files"][f"{m['shard']}.jsonl"]).splitlines()]
-        assert sorted({x["prompt_index"] for x in rows}) == m["prompt_indices"]
+    for m, _fname, data in stage.iter_objects():
+        assert sorted({json.loads(ln)["prompt_index"] for ln in data.decode().splitlines()}) == m["prompt_indices"]
     first = [[x["input_ids"] for x in read_rows(store, run) if x["turn"] == 0] for store, run in ((other, "o"), (st, "r"))]
     assert first[0] == first[1]
 
