@@ -281,6 +281,25 @@ def _exec(cmd: list[str], env: dict[str, str]) -> None:
     os.execve(exe, cmd, {**os.environ, **env})
 
 
+def _click_errors() -> tuple[type[Exception], ...]:
+    """click's exception types. typer >= 0.24 carries its own copy of click (typer._click), whose
+    exceptions derive from typer.TyperException, not click.ClickException: checking only the latter
+    let every usage error escape as a traceback."""
+    import click
+
+    return (click.ClickException, *(t for t in [getattr(typer, "TyperException", None)] if t is not None))
+
+
+def _usage_line(e: Exception) -> str:
+    """One line: what was wrong, the command's usage, where the help is."""
+    ctx = getattr(e, "ctx", None)
+    what = e.format_message() if hasattr(e, "format_message") else str(e)
+    if ctx is None:
+        return f"eagle-jobs: error: {what}"
+    return (f"eagle-jobs: error: {what} (usage: {ctx.get_usage().removeprefix('Usage: ').strip()}; "
+            f"try '{ctx.command_path} --help')")
+
+
 def main() -> None:
     try:
         rc = app(standalone_mode=False)  # click returns typer.Exit's code instead of raising it
@@ -297,12 +316,17 @@ def main() -> None:
     except (typer.Abort, KeyboardInterrupt):
         print("eagle-jobs: interrupted", file=sys.stderr)
         sys.exit(130)
-    except Exception as e:  # click usage errors carry their own code
-        import click
-
-        if isinstance(e, click.ClickException):
+    except _click_errors() as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `eagle-jobs`: the help is the answer
             e.show()
             sys.exit(int(ExitCode.USAGE))
+        print(_usage_line(e), file=sys.stderr)
+        sys.exit(int(ExitCode.USAGE) if getattr(e, "exit_code", 2) == 2 else int(ExitCode.BAD_INPUT))
+    except Exception as e:
+        if type(e).__module__.split(".")[0] == "urllib3":  # the cluster's API server did not answer
+            print(f"eagle-jobs: error: cluster API unreachable ({type(e).__name__}: {str(e).splitlines()[0]}): "
+                  "check --kubeconfig / $KUBECONFIG and the network", file=sys.stderr)
+            sys.exit(int(ExitCode.NO_CLUSTER))
         raise
 
 

@@ -141,13 +141,35 @@ def for_run(docs: list[dict], run_id: str, recipe_path: Path | None = None,
 
 # -- apply -------------------------------------------------------------------------------
 def api_client(kubeconfig: str | None = None):
+    """A client for --kubeconfig if given (only that), else $KUBECONFIG (or ~/.kube/config when unset,
+    as kubectl reads it), else the pod's service account; NoCluster (exit 8) names each one tried."""
+    import os
+
     from kubernetes import client, config
 
+    from eagle_jobs.errors import NoCluster
+
+    env = os.environ.get("KUBECONFIG")
+    what, path = (("--kubeconfig", kubeconfig) if kubeconfig else ("$KUBECONFIG", env) if env else
+                  ("~/.kube/config ($KUBECONFIG unset)", "~/.kube/config"))
+    tried = [] if kubeconfig else ["--kubeconfig: not given"]
     try:
-        config.load_kube_config(config_file=kubeconfig)
-    except Exception:  # noqa: BLE001 - inside a pod
+        config.load_kube_config(config_file=path)
+        return client.ApiClient()
+    except Exception as e:  # noqa: BLE001 - a missing, unreadable or invalid file: say which and why
+        tried.append(f"{what}: {_first_line(e)}" if path.startswith("~") else f"{what} {path}: {_first_line(e)}")
+    if kubeconfig:  # asked for this file: never fall back to another cluster
+        raise NoCluster(f"{tried[0]}; fix the file or pass another --kubeconfig")
+    try:
         config.load_incluster_config()
-    return client.ApiClient()
+        return client.ApiClient()
+    except Exception as e:  # noqa: BLE001 - not in a pod, or no service account mounted
+        tried.append(f"in-cluster: {_first_line(e)}")
+    raise NoCluster(f"no cluster configuration ({'; '.join(tried)}): pass --kubeconfig <file> or set $KUBECONFIG")
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def apply(api, docs: list[dict]) -> list[str]:

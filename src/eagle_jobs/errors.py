@@ -18,6 +18,7 @@ class ExitCode(IntEnum):
     UNAVAILABLE = 5  # a server never became healthy or kept failing: retry later
     INCOMPATIBLE = 6  # `inspect`: the checkpoint would not load in vLLM
     NOT_READY = 7  # an upstream stage is not committed yet
+    NO_CLUSTER = 8  # submit/status/watch/logs: no cluster configuration found, or its API server did not answer
     NOT_BETTER = 9  # `promote`: the candidate does not beat the promoted draft; nothing changed
     INTERRUPTED = 143  # SIGTERM: state was committed; rerun to resume (128 + 15)
 
@@ -47,3 +48,7 @@ class Unavailable(EagleJobsError):
 
 class NotReady(EagleJobsError):
     code = ExitCode.NOT_READY
+
+
+class NoCluster(EagleJobsError):
+    code = ExitCode.NO_CLUSTER
