@@ -24,6 +24,7 @@ RecipeOpt = Annotated[Path, typer.Option("--recipe", "-r", help="jobs/<name>.yam
 StoreOpt = Annotated[Optional[str], typer.Option("--store", help="file://... or s3://bucket/prefix (default: the recipe's)")]
 RunOpt = Annotated[Optional[str], typer.Option("--run-id", help="run id (default: the recipe's)")]
 IndexOpt = Annotated[Optional[int], typer.Option("--shard-index", help="this worker (default: $JOB_COMPLETION_INDEX)")]
+VariantOpt = Annotated[Optional[str], typer.Option(help="one arm of `compare` (recipe variants)")]
 NumOpt = Annotated[Optional[int], typer.Option("--num-shards", help="number of workers (default: $EAGLE_JOBS_NUM_SHARDS)")]
 
 
@@ -35,6 +36,11 @@ def _context(recipe_path: Path, store: str | None, run_id: str | None):
     st = Store.open(store or os.environ.get("EAGLE_JOBS_STORE") or recipe.store.uri)
     st.check()
     return recipe, st, run_id or os.environ.get("EAGLE_JOBS_RUN_ID") or recipe.store.run_id
+
+
+def _arm(recipe, variant: str | None):
+    """A variant of the recipe's `variants:`; a rank of a variant gets its arm's recipe already applied."""
+    return recipe.variant(variant) if variant and recipe.variants else recipe
 
 
 @app.command()
@@ -59,23 +65,25 @@ def extract(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
 
 @app.command()
 def train(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
-          max_steps: Annotated[Optional[int], typer.Option(help="stop after this many steps (smoke checks)")] = None):
+          max_steps: Annotated[Optional[int], typer.Option(help="stop after this many steps (smoke checks)")] = None,
+          variant: VariantOpt = None):
     """Stage 3: train the EAGLE-3 draft with speculators on the committed hidden states."""
     from eagle_jobs.train import run_train
 
     r, st, rid = _context(recipe, store, run_id)
-    run_train(r, st, rid, max_steps=max_steps)
+    run_train(_arm(r, variant), st, rid, max_steps=max_steps, variant=variant)
 
 
 @app.command()
 def evaluate(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
              prompts: Annotated[Optional[Path], typer.Option(help="prompt file in the capture input format")] = None,
-             output: Annotated[Optional[Path], typer.Option(help="write the report here instead of the store")] = None):
+             output: Annotated[Optional[Path], typer.Option(help="write the report here instead of the store")] = None,
+             variant: VariantOpt = None):
     """Stage 4: acceptance length under greedy chain speculative decoding."""
     from eagle_jobs.evaluate import run_evaluate
 
     r, st, rid = _context(recipe, store, run_id)
-    run_evaluate(r, st, rid, prompts=prompts, output=output)
+    run_evaluate(_arm(r, variant), st, rid, prompts=prompts, output=output, variant=variant)
 
 
 @app.command()
@@ -86,6 +94,17 @@ def run(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
 
     r, st, rid = _context(recipe, store, run_id)
     run_pipeline(r, st, rid, stages.split(",") if stages else None)
+
+
+@app.command()
+def compare(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
+            variants: Annotated[Optional[str], typer.Option(help="comma-separated subset (base = the recipe)")] = None,
+            report_only: Annotated[bool, typer.Option(help="only write the table of what is committed")] = False):
+    """Train and evaluate the recipe's variants on the run's committed extraction; one table."""
+    from eagle_jobs.compare import run_compare
+
+    r, st, rid = _context(recipe, store, run_id)
+    run_compare(r, st, rid, variants.split(",") if variants else None, report_only=report_only)
 
 
 @app.command()

@@ -16,6 +16,16 @@ from eagle_jobs.errors import BadInput, NotReady
 from eagle_jobs.store import Stage, Store
 
 CAPTURE, EXTRACT, TRAIN, EVALUATE = "capture", "extract", "train", "eval"
+VARIANTS = "variants"  # `eagle-jobs compare`: <run>/variants/<name>/{train,eval} beside the run's own stages
+
+
+def train_dir(variant: str | None = None) -> str:
+    """Where a run's draft (or one compared variant's) is trained: one extraction, many drafts."""
+    return TRAIN if variant is None else f"{VARIANTS}/{variant}/{TRAIN}"
+
+
+def eval_dir(variant: str | None = None) -> str:
+    return EVALUATE if variant is None else f"{VARIANTS}/{variant}/{EVALUATE}"
 
 
 def read_rows(store: Store, run_id: str, require_complete: bool = True) -> list[dict]:
@@ -57,12 +67,14 @@ def read_sample(store: Store, run_id: str, manifest: dict, entry: dict, dtype=to
     return decode_sample(buf, entry, dtype)
 
 
-def download_final(store: Store, run_id: str, dest: Path) -> Path:
+def download_final(store: Store, run_id: str, dest: Path, variant: str | None = None) -> Path:
     """The committed final draft checkpoint as a local directory (for evaluate / inspect / vLLM)."""
-    stage = Stage(store, run_id, TRAIN)
+    stage = Stage(store, run_id, train_dir(variant))
     m = stage.manifest("final")
     if m is None:
-        raise NotReady(f"train of run '{run_id}' has no committed final checkpoint in {store.uri}: run `eagle-jobs train`")
+        what = f"variant '{variant}' of run '{run_id}'" if variant else f"train of run '{run_id}'"
+        raise NotReady(f"{what} has no committed final checkpoint in {store.uri}: run `eagle-jobs "
+                       f"{'compare' if variant else 'train'}`")
     dest.mkdir(parents=True, exist_ok=True)
     for f, info in m["files"].items():
         (dest / f.split("/", 1)[1]).write_bytes(stage.read(f, info))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_jobs.committed import EVALUATE, download_final, extraction_info
+from eagle_jobs.committed import EVALUATE, download_final, eval_dir, extraction_info, train_dir
 from eagle_jobs.errors import BadInput
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.prompts import load_prompts
@@ -361,13 +361,14 @@ def teacher_forced_estimate(metrics: list[dict], k: int) -> float | None:
 
 
 def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None = None,
-                 output: Path | None = None) -> dict:
+                 output: Path | None = None, variant: str | None = None) -> dict:
+    """tau (and speed) of the run's final draft, or of one `compare` variant's, on every prompt set."""
     from eagle_jobs.verifier import load_config
 
     sets = eval_sets(recipe, prompts)  # bad prompt files fail here, before any model loads
     sets, too_long = within_limits(recipe, sets)
     work = Path(tempfile.mkdtemp(prefix="eagle-eval-"))
-    draft_dir = download_final(store, run_id, work / "draft")
+    draft_dir = download_final(store, run_id, work / "draft", variant)
     draft_cfg = json.loads((draft_dir / "config.json").read_text())
     try:
         layers = extraction_info(store, run_id)["layer_ids"]
@@ -413,7 +414,7 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
         "acceptance_length": p["acceptance_length"], "per_position_acceptance": p["per_position_acceptance"],
         "num_speculative_tokens": k, "num_prompts": p["num_prompts"], "tokens_generated": p["tokens_generated"],
         "verifier_forwards": p["verifier_forwards"], "verifier": recipe.verifier.model,
-        "draft": store.url(Stage(store, run_id, "train").key("data/final")),
+        "draft": store.url(Stage(store, run_id, train_dir(variant)).key("data/final")),
         "baseline_acceptance_length": p["baseline_acceptance_length"],
         "baseline_per_position_acceptance": p["baseline_per_position_acceptance"],
         "baseline_note": ("the same loop with an untrained draft (same shape, vocab mapping and verifier embeddings)"
@@ -428,7 +429,7 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
     from eagle_jobs.report import write_report
 
     files = write_report(report, metrics)
-    stage = Stage(store, run_id, STAGE)
+    stage = Stage(store, run_id, eval_dir(variant))
     if output is not None:
         output.mkdir(parents=True, exist_ok=True)
         for name, data in files.items():

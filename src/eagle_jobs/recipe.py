@@ -100,8 +100,22 @@ class ChatSpec(Section):
 
 
 class SamplingSpec(Section):
-    temperature: float = Field(default=0.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    """How capture samples, the same on both backends (eagle_jobs/sampling.py). A field left null takes
+    what the served verifier would: its generation_config.json's value under generation_config auto
+    (vLLM's default), else vLLM's neutral default (temperature 1, top_p 1, top_k off, min_p 0, no
+    penalties). Capture records the effective values in its manifests."""
+
+    temperature: float | None = Field(default=0.0, ge=0)  # 0: greedy, what evaluate measures against
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)  # 0: off
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    # Whether the verifier's generation_config fills unset fields: auto (yes), vllm (no), or a folder
+    # holding another generation_config.json, as vLLM's --generation-config; None: what
+    # capture.vllm.serve_args pass it, else auto (how `vllm serve` runs by default).
+    generation_config: str | None = None
     max_new_tokens: int = Field(default=256, gt=0)
     seed: int = 0
 
@@ -140,9 +154,32 @@ class ExtractSpec(Section):
     vllm: VllmServerSpec = VllmServerSpec()
 
 
+class NormSpec(Section):
+    """draft.norms: where the draft normalises (speculators 0.9.0's EAGLE-3/3.1 switches, names unchanged)."""
+
+    # the first layer's residual is the normed fused state, not the raw one
+    norm_before_residual: bool = True
+    # one RMSNorm over the concatenated aux states before fc (gpt-oss style)
+    norm_before_fc: bool = True
+    # EAGLE-3.1: one RMSNorm per aux state before fc; speculators refuses it beside norm_before_fc
+    fc_norm: bool = False
+    # EAGLE-3.1: feed the post-norm hidden state to the next TTT step / draft position
+    norm_output: bool = True
+
+    @model_validator(mode="after")
+    def _exclusive(self) -> "NormSpec":
+        if self.fc_norm and self.norm_before_fc:  # speculators' Eagle3SpeculatorConfig._check_norm_flags
+            raise ValueError("fc_norm (one norm per aux state) and norm_before_fc (one norm over all) are "
+                             "mutually exclusive in speculators 0.9.0: set draft.norms.norm_before_fc: false")
+        return self
+
+
 class DraftSpec(Section):
     """The draft's shape. Unset fields are derived from the verifier and printed."""
 
+    # The decoder layer speculators builds and vLLM serves (speculators' --draft-arch): llama or qwen3
+    # (qwen3 adds per-head q/k norms).
+    architecture: Literal["llama", "qwen3"] = "llama"
     num_layers: int = Field(default=1, gt=0)
     hidden_size: int | None = Field(default=None, gt=0)  # must equal the verifier's
     num_attention_heads: int | None = Field(default=None, gt=0)
@@ -150,11 +187,67 @@ class DraftSpec(Section):
     head_dim: int | None = Field(default=None, gt=0)
     intermediate_size: int | None = Field(default=None, gt=0)
     draft_vocab_size: int = Field(default=32000, gt=0)
-    norm_before_residual: bool = True
-    norm_before_fc: bool = True
-    norm_output: bool = True
+    norms: NormSpec = NormSpec()
     # None: full attention (what vLLM's llama_eagle3 runs); an int: sliding window.
     sliding_window: int | None = None
+
+
+# speculators 0.9.0's losses (speculators/losses/utils.py, _FUSED_LOSS_FN_MAP and _EAGER_LOSS_FN_MAP);
+# tests/test_levers.py holds this list to the installed package's.
+LossName = Literal["kl_div", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid"]
+
+
+class LossSpec(Section):
+    """train.loss: how each TTT step's draft logits are scored against the verifier's.
+
+    `train: {loss: lk_hybrid}` is short for `train: {loss: {name: lk_hybrid}}`.
+    """
+
+    name: LossName = "kl_div"
+    # A weighted sum instead of one loss, as speculators' --loss-fn JSON: {ce: 0.1, tv: 0.9}.
+    weights: dict[LossName, float] | None = Field(default=None, min_length=1)
+    # lk_hybrid's blend temperature: KL weight exp(-eta * acceptance); larger moves to TV sooner.
+    # None: speculators' default (3.0, the LK paper's best).
+    eta: float | None = Field(default=None, gt=0)
+    # TTT step k's loss is weighted step_decay**k (speculators' ttt_step_loss_decay; 1: all equal).
+    step_decay: float = Field(default=1.0, gt=0)
+    # Per-position weighting. speculators 0.9.0 weighs EAGLE-3 steps by step_decay only; "dpace" is
+    # named here to be refused with the reason (D-PACE is DFlash-only there).
+    weighting: Literal["step_decay", "dpace"] = "step_decay"
+    # auto: fused Triton kernels on GPU, eager PyTorch on CPU (same values; tests/test_train.py).
+    implementation: Literal["auto", "fused", "eager"] = "auto"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data):
+        return {"name": data} if isinstance(data, str) else data
+
+    @model_validator(mode="after")
+    def _applicable(self) -> "LossSpec":
+        if self.weighting == "dpace":
+            raise ValueError("weighting 'dpace': speculators 0.9.0 applies D-PACE to DFlash-family drafts only "
+                             "(train/config/schema.py DFlashArgs.per_position_loss_weight); EAGLE-3 weighs TTT "
+                             "step k by step_decay**k (models/eagle3/metrics.py compute_metrics): use step_decay")
+        if self.eta is not None and "lk_hybrid" not in self.terms():
+            raise ValueError(f"eta is lk_hybrid's parameter; this loss is {self.spec()}")
+        return self
+
+    def terms(self) -> dict[str, float]:
+        return dict(self.weights) if self.weights else {self.name: 1.0}
+
+    def spec(self) -> str:
+        """speculators' --loss-fn value: a name, or a JSON dict of weights."""
+        return json.dumps(self.weights) if self.weights else self.name
+
+
+class MuonSpec(Section):
+    """train.muon: speculators' Muon group (2-D weights; norms, embeddings and heads stay on AdamW)."""
+
+    lr: float | None = Field(default=None, gt=0)  # None: train.lr, as speculators' CLI resolves it
+    momentum: float = Field(default=0.95, ge=0, lt=1)
+    weight_decay: float = Field(default=0.1, ge=0)
+    ns_steps: int = Field(default=5, gt=0)  # Newton-Schulz iterations
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
 
 
 class TrainSpec(Section):
@@ -162,15 +255,15 @@ class TrainSpec(Section):
     lr: float = Field(default=3e-5, gt=0)
     scheduler: Literal["linear", "cosine", "none"] = "cosine"
     warmup_ratio: float = Field(default=0.01, ge=0, le=1)
+    # adamw: one AdamW; muon: torch.optim.Muon on 2-D weights + AdamW (lr, weight_decay) on the rest.
     optimizer: Literal["adamw", "muon"] = "adamw"
+    muon: MuonSpec | None = None  # optimizer muon only; None: MuonSpec's defaults
     weight_decay: float = Field(default=0.01, ge=0)
     total_seq_len: int = Field(default=8192, gt=0)
     ttt_steps: int = Field(default=3, gt=0)
-    ttt_step_loss_decay: float = Field(default=1.0, gt=0)
-    loss_fn: str = "kl_div"
-    # auto: flex attention + fused loss on GPU, sdpa + eager loss on CPU.
+    loss: LossSpec = LossSpec()
+    # auto: flex attention on GPU, sdpa on CPU.
     attention: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = "auto"
-    loss_implementation: Literal["auto", "fused", "eager"] = "auto"
     nproc_per_node: int = Field(default=1, gt=0)
     nnodes: int = Field(default=1, gt=0)
     fsdp: bool = False
@@ -178,6 +271,15 @@ class TrainSpec(Section):
     local_stage_bytes: int = Field(default=8 * 1024**3, gt=0)  # bounded local staging
     seed: int = 0
     log_freq: int = Field(default=1, gt=0)
+
+    @model_validator(mode="after")
+    def _muon_only_with_muon(self) -> "TrainSpec":
+        if self.muon is not None and self.optimizer != "muon":
+            raise ValueError("train.muon sets the Muon optimizer's group; it needs train.optimizer: muon")
+        return self
+
+    def muon_settings(self) -> MuonSpec:
+        return self.muon or MuonSpec()
 
 
 class EvaluateSpec(Section):
@@ -209,6 +311,25 @@ class Throughputs(Section):
     store_bytes_per_s: float = Field(default=500e6, gt=0)
 
 
+class VariantSpec(Section):
+    """One arm of `eagle-jobs compare`: overrides of the draft and training sections only, so every
+    variant trains on the same committed extraction and is evaluated on the same prompts."""
+
+    draft: dict = Field(default_factory=dict)
+    train: dict = Field(default_factory=dict)
+
+
+VARIANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,30}$")
+BASE_VARIANT = "base"  # the recipe as written, always one arm of a comparison
+
+
+def _merged(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 class Recipe(Section):
     name: str
     description: str = ""
@@ -227,6 +348,34 @@ class Recipe(Section):
     evaluate: EvaluateSpec = EvaluateSpec()
     store: StoreSpec = StoreSpec()
     plan: Throughputs = Throughputs()
+    # `eagle-jobs compare`: name -> overrides of `draft` / `train`, e.g. {lk: {train: {loss: ...}}}
+    variants: dict[str, VariantSpec] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _variants_valid(self) -> "Recipe":
+        for name in self.variants:
+            if name == BASE_VARIANT or not VARIANT_NAME.match(name):
+                raise ValueError(f"variants: '{name}' is not a variant name (lower-case letters, digits, - and _, "
+                                 f"at most 31; '{BASE_VARIANT}' is the recipe itself)")
+            self.variant(name)  # an override that makes an invalid recipe is refused at load
+        return self
+
+    def variant(self, name: str) -> "Recipe":
+        """The recipe with variant `name`'s overrides applied (`base`: the recipe itself), no variants."""
+        data = self.model_dump(mode="json")
+        data["variants"] = {}
+        if name != BASE_VARIANT:
+            if name not in self.variants:
+                raise BadInput(f"variant '{name}' is not in the recipe's variants: choose from "
+                               f"{[BASE_VARIANT, *self.variants]}")
+            over = self.variants[name]
+            data["draft"] = _merged(data["draft"], over.draft)
+            data["train"] = _merged(data["train"], over.train)
+        try:
+            return Recipe.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise ValueError(f"variants.{name}.{_loc(err)}: {err['msg']}") from None
 
     @model_validator(mode="after")
     def _consistent(self) -> "Recipe":
@@ -245,7 +394,7 @@ class Recipe(Section):
 
     def digest(self, sections: tuple[str, ...] | None = None) -> str:
         """Content hash of the resolved recipe, or of some of its sections (lineage, cache keys)."""
-        data = self.model_dump(mode="json")
+        data = self.model_dump(mode="json", exclude={"variants"})  # arms of a comparison, not this run
         if sections is not None:
             data = {k: data[k] for k in sections}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
@@ -277,6 +426,8 @@ def load_recipe(path: str | Path) -> Recipe:
         err = e.errors()[0]
         if err["type"] == "extra_forbidden":
             msg = f"unknown key '{_loc(err)}' (check the spelling against docs/FORMAT.md#recipes)"
+        elif not err["loc"] and err["type"] == "value_error":  # a whole-recipe check names its own keys
+            msg = err["msg"].removeprefix("Value error, ")
         else:
             msg = f"key '{_loc(err)}': {err['msg']}"
         more = f" (+{len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""

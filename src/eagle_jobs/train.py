@@ -16,13 +16,21 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-from eagle_jobs.committed import EXTRACT, TRAIN, extraction_info, read_rows
-from eagle_jobs.draft import DraftShape, build_draft_model, resolve_shape
+from eagle_jobs.committed import EXTRACT, TRAIN, extraction_info, read_rows, train_dir
+from eagle_jobs.draft import (
+    DraftShape,
+    build_draft_model,
+    loss_implementation,
+    optimizer_settings,
+    resolve_shape,
+    trainer_call_kwargs,
+)
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
@@ -192,7 +200,8 @@ def prune_local_checkpoints(ckpt_dir: Path, committed: int) -> None:
 RANK_SHUTDOWN_TIMEOUT_S = 100
 
 
-def launch_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | None, work: Path) -> dict | None:
+def launch_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | None, work: Path,
+                 variant: str | None = None) -> dict | None:
     """With a world size above one, train as torchrun's ranks in child processes; None otherwise.
 
     The ranks get exactly this recipe (as JSON in the work dir) and `eagle-jobs
@@ -208,11 +217,11 @@ def launch_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | Non
     if torch.cuda.is_available() and torch.cuda.device_count() < t.nproc_per_node:
         raise BadInput(f"train.nproc_per_node is {t.nproc_per_node} but this node has {torch.cuda.device_count()} "
                        f"GPU(s): lower it in the recipe or request {t.nproc_per_node} GPUs")
-    return run_ranks(recipe, store, run_id, max_steps, work, t.nproc_per_node, nnodes)
+    return run_ranks(recipe, store, run_id, max_steps, work, t.nproc_per_node, nnodes, variant)
 
 
 def run_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | None, work: Path,
-              nproc_per_node: int, nnodes: int = 1) -> dict:
+              nproc_per_node: int, nnodes: int = 1, variant: str | None = None) -> dict:
     """torchrun with `eagle-jobs train` as each rank (see launch_ranks); the committed record."""
     work.mkdir(parents=True, exist_ok=True)
     recipe_file = work / "recipe.json"
@@ -220,18 +229,19 @@ def run_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | None, 
     exits = work / "rank-exits"
     shutil.rmtree(exits, ignore_errors=True)
     exits.mkdir()
-    args = ["--nproc_per_node", str(nproc_per_node), "--shutdown_timeout", str(RANK_SHUTDOWN_TIMEOUT_S)]
-    if nnodes > 1:
-        args += ["--nnodes", str(nnodes), "--node_rank", os.environ.get("JOB_COMPLETION_INDEX", "0"),
-                 "--rdzv_backend", "c10d", "--rdzv_endpoint", os.environ["EAGLE_JOBS_RDZV_ENDPOINT"]]
-    else:
-        args.insert(0, "--standalone")
+    from eagle_jobs.rendezvous import torchrun_rendezvous_args
+
+    args = [*torchrun_rendezvous_args(nnodes, os.environ), "--nproc_per_node", str(nproc_per_node),
+            "--shutdown_timeout", str(RANK_SHUTDOWN_TIMEOUT_S)]
     cmd = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "eagle_jobs.cli", "train",
            "--recipe", str(recipe_file), "--store", store.uri, "--run-id", run_id]
     if max_steps:
         cmd += ["--max-steps", str(max_steps)]
+    if variant is not None:
+        cmd += ["--variant", variant]
     console.print(f"  {nproc_per_node * nnodes} rank(s) on {nnodes} node(s): {' '.join(cmd[1:5])} ...")
-    env = {**os.environ, "EAGLE_JOBS_WORK_DIR": str(work.parent), "EAGLE_JOBS_RANK_EXITS": str(exits)}
+    root = work.parent if variant is None else work.parents[len(Path(train_dir(variant)).parts)]  # <root>/<run>/...
+    env = {**os.environ, "EAGLE_JOBS_WORK_DIR": str(root), "EAGLE_JOBS_RANK_EXITS": str(exits)}
     signalled: list[int] = []
     proc: subprocess.Popen | None = None
 
@@ -248,7 +258,7 @@ def run_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | None, 
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-    stage = Stage(store, run_id, STAGE)
+    stage = Stage(store, run_id, train_dir(variant))
     final = stage.manifest("final") if rc == 0 else None
     if final is not None:  # the record run_train returns, as rank 0 committed it
         read = {k: json.loads(stage.read(f"final/{k}.json", final["files"][f"final/{k}.json"]))
@@ -271,7 +281,8 @@ def record_rank_exit(code: int) -> None:
 
 
 def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None = None,
-              work_dir: Path | None = None) -> dict:
+              work_dir: Path | None = None, variant: str | None = None) -> dict:
+    """Train the run's draft on its committed extraction (or, with `variant`, one arm of `compare`)."""
     from eagle_jobs import speculators_compat as compat
 
     # 1. the extraction must be the one this draft expects
@@ -286,11 +297,13 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
         raise BadInput(f"extraction hidden size {info['hidden_size']} != draft hidden size {shape.hidden_size}")
     console.print(f"[bold]train[/] draft shape: {shape.describe()}")
     work = Path(work_dir or os.environ.get("EAGLE_JOBS_WORK_DIR") or Path.home() / ".cache/eagle-jobs/work") / run_id
-    launched = launch_ranks(recipe, store, run_id, max_steps, work)
+    if variant is not None:
+        work = work / train_dir(variant)
+    started = time.time()
+    launched = launch_ranks(recipe, store, run_id, max_steps, work, variant)
     if launched is not None:
         return launched
 
-    from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.dataloader import _setup_dataloader
     from speculators.train.distributed import (
@@ -307,10 +320,9 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     compat.setup_distributed()
     gpu = compat.has_accelerator()
     attn = recipe.train.attention if recipe.train.attention != "auto" else ("simple_flex_attention" if gpu else "sdpa")
-    loss_impl = recipe.train.loss_implementation
-    loss_impl = loss_impl if loss_impl != "auto" else ("fused" if gpu else "eager")
-    if not gpu and (attn == "simple_flex_attention" or loss_impl == "fused"):
-        raise BadInput("train: flex attention and the fused loss need a GPU; use attention sdpa and loss eager on CPU")
+    loss_impl = loss_implementation(recipe, gpu)
+    if not gpu and attn == "simple_flex_attention":
+        raise BadInput("train.attention simple_flex_attention needs a GPU (no flex backward on CPU): use auto or sdpa")
     # bf16 states from the store; the draft keeps fp32 master weights. On GPU autocast runs
     # the matmuls in bf16; on CPU we upcast the states so dtypes always agree.
     hs_dtype = torch.bfloat16 if gpu else torch.float32
@@ -348,7 +360,7 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
 
     train_loader, val_loader = loader("train"), loader("validation")
 
-    # 4. model: speculators' Eagle3DraftModel with our LlamaConfig for the draft layer
+    # 4. model: speculators' Eagle3DraftModel with draft.architecture's layer and draft.norms
     model = build_draft_model(shape, recipe, tcfg, attn, t2d, d2t)
     assert next(model.fc.parameters()).dtype == torch.float32  # fp32 master weights
     total = sum(p.numel() for p in model.parameters())
@@ -356,7 +368,7 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     console.print(f"  draft parameters: {total:,} total, {trainable:,} trainable; attention {attn}, loss {loss_impl}")
 
     # 5. resume from the newest committed checkpoint, then train
-    stage = Stage(store, run_id, STAGE)
+    stage = Stage(store, run_id, train_dir(variant))
     ckpt_dir = work / "checkpoints"
     resumed = None
     if get_local_rank() == 0:  # every node resumes from the same committed checkpoint
@@ -369,15 +381,12 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
         import torch.distributed as dist
 
         dist.barrier()  # no rank looks for a checkpoint before it is on disk
-    train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
-        ttt_steps=recipe.train.ttt_steps, ttt_step_loss_decay=recipe.train.ttt_step_loss_decay,
-        loss_fn=recipe.train.loss_fn, loss_implementation=loss_impl)
+    train_kwargs, val_kwargs = trainer_call_kwargs(recipe, loss_impl)  # ttt_steps, train.loss
     steps_per_epoch = len(train_loader)
     cfg = TrainerConfig(
-        lr=recipe.train.lr, num_epochs=recipe.train.epochs, save_path=str(ckpt_dir), resume_from_checkpoint=True,
-        train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, optimizer=recipe.train.optimizer,
-        weight_decay=recipe.train.weight_decay, scheduler_type=recipe.train.scheduler,
-        scheduler_warmup_ratio=recipe.train.warmup_ratio, hidden_states_dtype=hs_dtype,
+        num_epochs=recipe.train.epochs, save_path=str(ckpt_dir), resume_from_checkpoint=True,
+        train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, hidden_states_dtype=hs_dtype,
+        **optimizer_settings(recipe),  # optimizer (Muon's group too), lr, weight decay, schedule, warmup
         log_freq=recipe.train.log_freq, fsdp_shard=recipe.train.fsdp, max_steps=max_steps,
     )
     split = {"train": len(items["train"]), "validation": len(items["validation"])}
@@ -426,6 +435,7 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
             if sel["epoch"] != last:
                 console.print(f"  exporting epoch {sel['epoch']} (tau estimate {sel['tau_estimate']:.3f}), "
                               f"not the last ({sel['per_epoch'].get(str(last), float('nan')):.3f})")
+            record["train_seconds"] = round(time.time() - started, 1)  # this process's, from the shape check
             export_final(stage, ckpt_dir / str(sel["epoch"]), record, recipe)
         if board is not None:
             upload_tensorboard(board, work / "tensorboard", stage)  # the validation of the last epoch too
