@@ -67,6 +67,9 @@ class FakeKube:
         self.lock = threading.Condition()
         self.drop_next_watch = False
         self.requests: list[tuple[str, str]] = []
+        # the API server's create-time checks of a custom resource (its CRD schema, validating webhooks):
+        # (object, current object or None) -> the Status it refuses with, or None. tests/jobset_admission.py
+        self.admit = None
 
     # -- controller side (tests) -----------------------------------------------------------
     def _bump(self, coll: str, typ: str, obj: dict) -> None:
@@ -147,6 +150,9 @@ class FakeKube:
         force = (q.get("force") or ["false"])[0] == "true"
         with self.lock:
             cur = self.objects.get((coll, name))
+            refused = self.admit(body, cur) if self.admit is not None else None
+            if refused is not None:
+                return refused["code"], refused
             if cur is not None:
                 owners = {m["manager"] for m in cur["metadata"].get("managedFields", [])}
                 if owners - {manager} and not force:

@@ -101,7 +101,7 @@ def test_submit_conflicts_are_one_line(kube):
     fake, kc = kube
     cluster.submit(REPO / "k8s/overlays/smoke", "c1", kubeconfig=kc)
     # the same run id with another spec: JobSet's replicatedJobs are immutable (422)
-    with pytest.raises(BadInput, match="different spec"):
+    with pytest.raises(BadInput, match=r"refused JobSet/eagle-jobs-c1 \(422\): .*spec.replicatedJobs: .*field is immutable"):
         cluster.submit(REPO / "k8s/overlays/full", "c1", kubeconfig=kc)
     # an object someone else manages (409 without force)
     fake.objects[(JS, "eagle-jobs-c2")] = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",

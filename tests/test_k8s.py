@@ -3,7 +3,8 @@
 Every overlay is rendered with `kubectl kustomize`; core kinds go through
 kubernetes-validate --strict against the oldest Kubernetes we support (1.33:
 per-index backoff for Indexed Jobs); the JobSet against the CRD's own
-openAPIV3Schema (../shared/schemas, JobSet v0.12.0), made strict; and the
+openAPIV3Schema (tests/schemas, JobSet v0.12.0; v0.8.2 and both webhooks in
+test_k8s_admission.py), made strict; and the
 Jobs inside it as batch/v1 Jobs. Then assertions on what the objects say.
 """
 
@@ -28,15 +29,6 @@ RECIPES = {"dev": "demo-dev", "smoke": "kimi-k2.5-smoke", "full": "kimi-k2.5", "
 STAGES = ["capture", "extract", "train", "evaluate"]
 # the GPU overlays stream the verifier from the store's mirror, made by a first stage (components/verifier-mirror)
 MIRRORED = {"dev": False, "smoke": True, "full": True, "full-multinode": True}
-
-
-def _crd_path() -> Path:
-    # vendored copy of ../shared/schemas (JobSet v0.12.0, kubernetes-sigs/jobset config/components/crd)
-    for base in (REPO / "tests" / "schemas", REPO.parent / "shared" / "schemas"):
-        hits = sorted(base.glob("jobset.x-k8s.io_jobsets*.yaml"))
-        if hits:
-            return hits[-1]
-    raise AssertionError("JobSet CRD not found in tests/schemas")
 
 
 @pytest.fixture(scope="module")
@@ -93,26 +85,12 @@ def _configmaps(docs) -> dict[str, dict]:
     return out
 
 
-def _strict(schema):
-    """CRD schemas prune unknown fields instead of rejecting them; for linting we reject them."""
-    if isinstance(schema, dict):
-        s = {k: _strict(v) for k, v in schema.items()}
-        if s.get("type") == "object" and "properties" in s and "additionalProperties" not in s \
-                and not s.get("x-kubernetes-preserve-unknown-fields"):
-            s["additionalProperties"] = False
-        return s
-    if isinstance(schema, list):
-        return [_strict(v) for v in schema]
-    return schema
-
-
 def _jobset_schema() -> dict:
-    """The CRD's v1alpha2 schema, made strict (unknown fields rejected)."""
-    crd = yaml.safe_load(_crd_path().read_text())
-    (ver,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
-    schema = _strict(copy.deepcopy(ver["schema"]["openAPIV3Schema"]))
-    schema["properties"]["metadata"] = {"type": "object"}
-    return schema
+    """The newest supported CRD's v1alpha2 schema, made strict (unknown fields rejected); every render
+    meets the oldest one's too (tests/test_k8s_admission.py)."""
+    import jobset_admission
+
+    return jobset_admission.schema(jobset_admission.NEWEST, strict=True)
 
 
 def _render_overlay(tmp_path: Path, kustomization: dict, files: dict[str, str] | None = None) -> list[dict]:
@@ -624,7 +602,7 @@ def test_a_stage_out_of_retries_is_restarted_and_bad_input_fails_the_run(rendere
     fp = _jobset(rendered[overlay])["spec"]["failurePolicy"]
     assert fp["maxRestarts"] >= 1
     by_reason = {reason: r["action"] for r in fp["rules"] for reason in r["onJobFailureReasons"]}
-    assert by_reason["BackoffLimitExceeded"] == by_reason["DeadlineExceeded"] == "RestartJob"
+    assert by_reason["BackoffLimitExceeded"] == by_reason["DeadlineExceeded"] == "RestartJobSet"
     assert by_reason["PodFailurePolicy"] == by_reason["FailedIndexes"] == "FailJobSet"
     names = [r["name"] for r in fp["rules"]]  # the webhook's rule-name pattern
     assert all(re.match(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", n) for n in names)

@@ -195,8 +195,10 @@ def apply(api, docs: list[dict]) -> list[str]:
             msg = _status_message(e)
             if e.status == 409:
                 raise BadInput(f"submit: {kind}/{name} is managed by someone else ({msg}); delete it or use another run id") from None
-            if e.status == 422:
-                raise BadInput(f"submit: {kind}/{name} exists with a different spec ({msg}); delete it or use a new --run-id") from None
+            # the API server's own words: a schema or webhook refusal (an older JobSet's webhook answers 403),
+            # an immutable spec (resubmitting a run id with another one), ...: never a guess at the cause
+            if e.status == 422 or msg.startswith("admission webhook "):
+                raise BadInput(f"submit: the API server refused {kind}/{name} ({e.status}): {msg}") from None
             if e.status in (401, 403):
                 raise EagleJobsError(f"submit: not allowed to apply {kind}/{name} in {ns} ({msg}): bind the submitter Role of k8s/cluster-setup") from None
             raise
@@ -205,10 +207,12 @@ def apply(api, docs: list[dict]) -> list[str]:
 
 
 def _status_message(e) -> str:
+    """The Status body's message, on one line (an errors.Join from a webhook spans several)."""
     try:
-        return json.loads(e.body).get("message", e.reason)
+        msg = json.loads(e.body).get("message", e.reason)
     except (TypeError, ValueError):
-        return str(e.reason)
+        msg = e.reason
+    return "; ".join(line.strip() for line in str(msg).splitlines() if line.strip())
 
 
 def _apply_one(core, apps, rbac, custom, net, kind, name, ns, d, kw) -> None:

@@ -1,0 +1,170 @@
+"""What a real cluster admits, deploys and keeps, beyond our own reading of the manifests.
+
+Every overlay render against the CRD and the validating webhook of the oldest and newest JobSet we
+support (tests/jobset_admission.py, ported from the sources at each tag), what `submit` says when the
+API server refuses, the images a release publishes, what skaffold deploys, and the smaller rules of
+issue 20 (owners, monitoring labels, sizes, GPU visibility, Kueue). Each rule cites its source.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+import jobset_admission as adm
+from test_cluster import kube  # noqa: F401 - a fixture: the fake API server with k8s/cluster-setup applied
+from test_k8s import OVERLAYS, _jobset, _pod, _render_overlay, rendered  # noqa: F401 - rendered is a fixture
+
+REPO = Path(__file__).resolve().parents[1]
+OPS = REPO / "docs/OPERATIONS.md"
+
+
+# -- 1. admitted by the real webhook on every JobSet version we support ---------------------------------------
+def _check_vendored_crds():
+    """tests/schemas/README.md names tag, commit and sha256 of each CRD; the files are those bytes."""
+    rows = re.findall(r"^\| `(jobset\.x-k8s\.io_jobsets\.(v[\d.]+)\.yaml)` \| (v[\d.]+) \| ([0-9a-f]{40}) \| ([0-9a-f]{64}) \|$",
+                      (REPO / "tests/schemas/README.md").read_text(), re.M)
+    assert {r[1] for r in rows} == set(adm.VERSIONS)
+    for name, version, tag, _commit, sha in rows:
+        assert version == tag and hashlib.sha256((REPO / "tests/schemas" / name).read_bytes()).hexdigest() == sha
+
+
+def _variants(rendered, tmp_path) -> dict[str, dict]:
+    """Every overlay, and the full run with the optional components an operator may add."""
+    out = {o: _jobset(rendered[o]) for o in OVERLAYS}
+    for comp in ("kueue", "pull-secret"):
+        if (REPO / "k8s/components" / comp / "kustomization.yaml").is_file():
+            sub = tmp_path / comp
+            sub.mkdir()
+            docs = _render_overlay(sub, {"resources": ["overlays/full"], "components": [f"components/{comp}"]})
+            out[f"full+{comp}"] = _jobset(docs)
+    return out
+
+
+@pytest.mark.parametrize("version", adm.VERSIONS)
+def test_every_render_passes_the_crd_schema_strictly(rendered, version, tmp_path):
+    """Strict: a field the older CRD does not know would be pruned silently by the API server."""
+    _check_vendored_crds()
+    for name, js in _variants(rendered, tmp_path).items():
+        assert adm.schema_errors(js, version, strict=True) == [], (name, version)
+
+
+@pytest.mark.parametrize("version", adm.VERSIONS)
+def test_every_render_is_admitted_by_the_webhook_with_no_feature_gate(rendered, version, tmp_path):
+    for name, js in _variants(rendered, tmp_path).items():
+        assert adm.create_status(js, version) is None, (name, version)
+        actions = {r["action"] for r in js["spec"]["failurePolicy"]["rules"]}
+        assert actions <= {"FailJobSet", "RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts"}, name
+
+
+def _with_restart_job(js: dict) -> dict:
+    bad = copy.deepcopy(js)
+    bad["spec"]["failurePolicy"]["rules"][-1]["action"] = "RestartJob"
+    return bad
+
+
+def test_the_stand_in_refuses_what_each_version_refuses(rendered):
+    """RestartJob: not in v0.8.2's enum (422 from the schema); v0.12.0's webhook refuses it with the gate off
+    (422 Invalid, wrapped) and admits it with the gate on; a name too long and a forward dependsOn too."""
+    js = _jobset(rendered["full"])
+    name = js["metadata"]["name"]
+    bad = _with_restart_job(js)
+    i = len(bad["spec"]["failurePolicy"]["rules"]) - 1
+    assert adm.create_status(bad, adm.OLDEST) == adm.status(422, "Invalid", (
+        f'JobSet.jobset.x-k8s.io "{name}" is invalid: spec.failurePolicy.rules[{i}].action: Unsupported value: '
+        '"RestartJob": supported values: "FailJobSet", "RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts"'))
+    new = adm.create_status(bad, adm.NEWEST)
+    assert new == adm.status(422, "Invalid", f'admission webhook "vjobset.kb.io" denied the request: JobSet.jobset.x-k8s.io '
+                             f'"{name}" is invalid: <nil>: Internal error: RestartJob and RestartJobAndIgnoreMaxRestarts '
+                             'failure policy actions are not allowed when RestartJob feature gate is disabled')
+    assert adm.create_status(bad, adm.NEWEST, gates=frozenset({"RestartJob"})) is None
+    long = copy.deepcopy(js)
+    long["metadata"]["name"] = "e" * 50
+    for version in adm.VERSIONS:
+        st = adm.create_status(long, version)
+        assert "pod names generated for this JobSet will exceed 63 characters" in st["message"], version
+    assert adm.create_status(long, adm.OLDEST)["code"] == 403  # v0.8.2's errors.Join: controller-runtime's Denied
+    forward = copy.deepcopy(js)
+    rjobs = forward["spec"]["replicatedJobs"]
+    rjobs.append(rjobs.pop(1))  # capture moved last: extract now depends on a later replicatedJob
+    assert "replicatedJob: extract cannot depend on replicatedJob: capture" in adm.create_status(forward, adm.NEWEST)["message"]
+
+
+@pytest.mark.parametrize("version", adm.VERSIONS)
+def test_submit_shows_the_api_servers_own_refusal(kube, tmp_path, version):
+    """The fake API server answers as the real one does where JobSet `version` is installed (422 or 403 Status
+    bodies); submit prints that Status's message on one line, nothing of its own about the cause."""
+    from eagle_jobs import cluster
+    from eagle_jobs.errors import BadInput
+
+    fake, kc = kube
+    fake.admit = adm.admit(version)
+    patch = [{"op": "replace", "path": "/spec/failurePolicy/rules/1/action", "value": "RestartJob"}]
+    _render_overlay(tmp_path, {"resources": ["overlays/smoke"], "patches": [
+        {"target": {"group": "jobset.x-k8s.io", "kind": "JobSet"}, "patch": yaml.safe_dump(patch)}]})
+    with pytest.raises(BadInput) as err:
+        cluster.submit(tmp_path / "overlay", "r1", kubeconfig=kc)
+    js = next(d for d in cluster.render(tmp_path / "overlay", "r1") if d["kind"] == "JobSet")
+    refusal = adm.create_status(js, version)
+    assert refusal["code"] in (403, 422) and "RestartJob" in refusal["message"]
+    assert str(err.value) == (f"submit: the API server refused JobSet/eagle-jobs-r1 ({refusal['code']}): "
+                              + refusal["message"].replace("\n", "; "))
+    assert "\n" not in str(err.value) and "different spec" not in str(err.value)
+    assert fake.get("/apis/jobset.x-k8s.io/v1alpha2/namespaces/eagle-jobs/jobsets", "eagle-jobs-r1") is None
+    # the shipped overlay goes through the same API server
+    assert cluster.submit(REPO / "k8s/overlays/smoke", "r2", kubeconfig=kc)["jobset"] == "eagle-jobs-r2"
+
+
+FEATURE_ROW = re.compile(r"^\| `([^`]+)` \| ([^|]+) \| (JobSet|Kubernetes) (v?[\d.]+)[^|]* \| ([^|]+) \|$", re.M)
+
+
+def _schema_has(schema: dict, path: str) -> bool:
+    """`spec.replicatedJobs[].dependsOn` in the CRD schema (a value after `=`: one of the field's enum)."""
+    path, _, value = path.partition("=")
+    node = schema
+    for part in path.split("."):
+        node = node.get("properties", {}).get(part.removesuffix("[]"))
+        if node is None:
+            return False
+        node = node.get("items", {}) if part.endswith("[]") else node
+    return not value or value in node.get("enum", [])
+
+
+def _jobset_fields(js: dict) -> set[str]:
+    """The JobSet fields a render sets, as the table spells them."""
+    spec = js["spec"]
+    out = {f"spec.{k}" for k in spec if k != "replicatedJobs"}
+    out |= {f"spec.replicatedJobs[].{k}" for rj in spec["replicatedJobs"] for k in rj if k not in ("name", "template")}
+    for key in ("failurePolicy", "successPolicy", "network"):
+        out |= {f"spec.{key}.{k}" for k in spec.get(key) or {}}
+    for rule in (spec.get("failurePolicy") or {}).get("rules", []):
+        out |= {f"spec.failurePolicy.rules[].{k}" for k in rule if k != "action"}
+        out.add(f"spec.failurePolicy.rules[].action={rule['action']}")
+    return out
+
+
+def test_operations_table_names_every_jobset_feature_the_renders_use(rendered, tmp_path):
+    """docs/OPERATIONS.md#what-the-cluster-must-admit: one row per JobSet field we set (and per failure-policy
+    action), the version that admits it, its source. The oldest CRD we support has each of them; the gated
+    RestartJob is not in it."""
+    rows = {m[0]: m for m in FEATURE_ROW.findall(OPS.read_text())}
+    used = set().union(*(_jobset_fields(js) for js in _variants(rendered, tmp_path).values()))
+    assert used <= set(rows), sorted(used - set(rows))
+    oldest = adm.schema(adm.OLDEST)
+    for field, row in rows.items():
+        if row[2] == "JobSet" and "not used" not in row[1]:
+            assert _schema_has(oldest, field), field
+            assert tuple(map(int, row[3].lstrip("v").split("."))) <= (0, 8, 2), field
+    gated = rows["spec.failurePolicy.rules[].action=RestartJob"]
+    assert "not used" in gated[1] and gated[3] == adm.NEWEST and gated[0] not in used
+    assert not _schema_has(oldest, "spec.failurePolicy.rules[].action=RestartJob")
+    assert _schema_has(adm.schema(adm.NEWEST), "spec.failurePolicy.rules[].action=RestartJob")
+    k8s = {f: r for f, r in rows.items() if r[2] == "Kubernetes"}
+    assert {"backoffLimitPerIndex", "podFailurePolicy", "podReplacementPolicy",
+            "initContainers[].restartPolicy=Always"} <= set(k8s)
+    assert all(tuple(map(int, r[3].split("."))) <= (1, 33) for r in k8s.values())  # the oldest Kubernetes we test
