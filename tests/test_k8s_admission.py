@@ -37,7 +37,7 @@ def _check_vendored_crds():
 def _variants(rendered, tmp_path) -> dict[str, dict]:
     """Every overlay, and the full run with the optional components an operator may add."""
     out = {o: _jobset(rendered[o]) for o in OVERLAYS}
-    for comp in ("kueue", "pull-secret"):
+    for comp in ("kueue",):
         if (REPO / "k8s/components" / comp / "kustomization.yaml").is_file():
             sub = tmp_path / comp
             sub.mkdir()
@@ -168,3 +168,95 @@ def test_operations_table_names_every_jobset_feature_the_renders_use(rendered, t
     assert {"backoffLimitPerIndex", "podFailurePolicy", "podReplacementPolicy",
             "initContainers[].restartPolicy=Always"} <= set(k8s)
     assert all(tuple(map(int, r[3].split("."))) <= (1, 33) for r in k8s.values())  # the oldest Kubernetes we test
+
+
+# -- 2. one image naming scheme, end to end ----------------------------------------------------------------------
+RELEASE, RETRAIN = REPO / ".github/workflows/release.yml", REPO / ".github/workflows/retrain.yml"
+THIRD_PARTY = {"quay.io/minio/mc"}  # dev only (components/minio), pinned by release tag
+REGISTRY_EXPR = re.compile(r"\$\{\{ vars\.IMAGE_REGISTRY \|\| '([^']+)' \}\}")
+
+
+def _published() -> tuple[str, list[str]]:
+    """(registry, image names) that release.yml pushes."""
+    wf = yaml.safe_load(RELEASE.read_text())
+    return REGISTRY_EXPR.fullmatch(wf["env"]["REGISTRY"])[1], wf["jobs"]["images"]["strategy"]["matrix"]["image"]
+
+
+def _images(docs: list[dict]) -> list[str]:
+    from test_k8s import _pod_specs
+
+    return [c["image"] for d in docs for pod in _pod_specs(d) for c in pod.get("containers", []) + pod.get("initContainers", [])]
+
+
+def test_release_publishes_every_image_the_manifests_name_and_ci_uses_the_same_names(rendered, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    import tomllib
+
+    from eagle_jobs import cluster
+
+    registry, published = _published()
+    assert registry == "ghcr.io/eagle-jobs" and set(published) == {"capture", "extract", "train", "dev"}
+    wf = yaml.safe_load(RELEASE.read_text())
+    assert "v*" in (wf[True] if True in wf else wf["on"])["push"]["tags"]
+    steps = {s.get("id"): s for s in wf["jobs"]["images"]["steps"]}
+    assert steps["build"]["with"] == {"context": ".", "file": "images/${{ matrix.image }}/Dockerfile", "push": True,
+                                      "tags": "${{ env.REGISTRY }}/${{ matrix.image }}:${{ steps.version.outputs.version }}"}
+    assert "pyproject.toml" in steps["version"]["run"] and "exit 1" in steps["version"]["run"]  # tag == version
+    assert "${{ steps.build.outputs.digest }}" in RELEASE.read_text()  # each digest recorded
+    assert all((REPO / "images" / p / "Dockerfile").is_file() for p in published)
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    names = {f"{registry}/{p}" for p in published}
+    for overlay, docs in rendered.items():
+        for image in _images(docs):
+            name, _, tag = image.partition(":")
+            assert (name in names and tag == version) or name in THIRD_PARTY, (overlay, image)
+    assert set(cluster.IMAGE_NAMES.values()) <= names  # what `submit --image` pins
+    rt = yaml.safe_load(RETRAIN.read_text())  # CI's retraining path: the same names, tagged by commit
+    assert REGISTRY_EXPR.fullmatch(rt["env"]["REGISTRY"])[1] == registry
+    built = {s["id"]: s["with"]["tags"] for s in rt["jobs"]["images"]["steps"] if s.get("id")}
+    assert built == {p: f"${{{{ env.REGISTRY }}}}/{p}:${{{{ github.sha }}}}" for p in ("capture", "extract", "train")}
+    for p in built:
+        assert rt["jobs"]["submit"]["env"][f"{p.upper()}_IMAGE"].startswith(f"{rt['env']['REGISTRY']}/{p}@")
+    exe = shutil.which("actionlint") or str(Path(sys.executable).with_name("actionlint"))
+    r = subprocess.run([exe, str(RELEASE), str(RETRAIN)], capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_an_overlay_moves_every_image_to_another_registry(overlay, tmp_path):
+    """kustomize `images:` in one more overlay reaches every container, components' included."""
+    registry, published = _published()
+    mirror = "registry.example.com/mirror"
+    images = [{"name": f"{registry}/{p}", "newName": f"{mirror}/{p}"} for p in published]
+    images += [{"name": n, "newName": f"{mirror}/{n.split('/', 1)[1]}"} for n in sorted(THIRD_PARTY)]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    before = _images(_render_overlay(tmp_path / "a", {"resources": [f"overlays/{overlay}"]}))
+    after = _images(_render_overlay(tmp_path / "b", {"resources": [f"overlays/{overlay}"], "images": images}))
+    assert len(after) == len(before) >= 4
+    assert [i for i in after if not i.startswith(f"{mirror}/")] == [], overlay
+
+
+def test_pull_secret_component_gives_every_pod_the_registry_credentials(rendered, tmp_path):
+    """components/pull-secret on k8s/cluster-setup: the workers' ServiceAccount names the pull secret; the
+    ServiceAccount admission plugin copies it into every pod that names none itself (kubernetes
+    plugin/pkg/admission/serviceaccount/admission.go, Admit: `if len(pod.Spec.ImagePullSecrets) == 0`)."""
+    import subprocess
+    import sys
+
+    docs = _render_overlay(tmp_path, {"resources": ["cluster-setup"], "components": ["components/pull-secret"]})
+    (sa,) = [d for d in docs if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "eagle-jobs-worker"]
+    assert sa["imagePullSecrets"] == [{"name": "eagle-jobs-pull"}]
+    f = tmp_path / "setup.yaml"
+    f.write_text(yaml.safe_dump_all(docs))
+    exe = Path(sys.executable).with_name("kubernetes-validate")
+    r = subprocess.run([str(exe), "--strict", "-k", "1.33.0", str(f)], capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for overlay in OVERLAYS:
+        js = _jobset(rendered[overlay])
+        for rj in js["spec"]["replicatedJobs"]:
+            pod = _pod(js, rj["name"])
+            assert pod["serviceAccountName"] == sa["metadata"]["name"] and "imagePullSecrets" not in pod, (overlay, rj["name"])
+    assert "components/pull-secret" in OPS.read_text() and "eagle-jobs-pull" in OPS.read_text()
