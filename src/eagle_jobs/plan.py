@@ -19,7 +19,7 @@ from rich.table import Table
 from eagle_jobs.draft import DraftShape, resolve_shape
 from eagle_jobs.hsformat import bytes_per_token
 from eagle_jobs.progress import console
-from eagle_jobs.recipe import Recipe
+from eagle_jobs.recipe import DraftSpec, Recipe
 
 
 def _human(n: float, unit: str = "B") -> str:
@@ -34,14 +34,16 @@ def _duration(s: float) -> str:
     return f"{s / 3600:.1f} h" if s >= 5400 else f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
 
 
-def draft_parameters(s: DraftShape, num_aux: int, norm_before_fc: bool) -> dict[str, int]:
+def draft_parameters(s: DraftShape, num_aux: int, draft: DraftSpec) -> dict[str, int]:
     """speculators 0.9.0's Eagle3DraftModel, counted from the shape (tests compare it with a built draft)."""
     H, mlp = s.hidden_size, 3 * s.hidden_size * s.intermediate_size  # gate, up, down
     q, kv = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
-    # the first layer reads [embedding; fused states] (2H wide) and adds hidden_norm; the others are llama layers
-    first = 2 * H * (q + 2 * kv) + q * H + mlp + 3 * H
-    other = H * (q + 2 * kv) + q * H + mlp + 2 * H
-    fc = num_aux * H * H + (num_aux * H if norm_before_fc else 0)  # fc (no bias), input_norm
+    qk_norms = 2 * s.head_dim if draft.architecture == "qwen3" else 0  # qwen3's per-head q_norm, k_norm
+    # the first layer reads [embedding; fused states] (2H wide) and adds hidden_norm; the others are plain layers
+    first = 2 * H * (q + 2 * kv) + q * H + mlp + 3 * H + qk_norms
+    other = H * (q + 2 * kv) + q * H + mlp + 2 * H + qk_norms
+    # fc (no bias), then input_norm over all aux states (norm_before_fc) or one norm per aux state (fc_norm)
+    fc = num_aux * H * H + (num_aux * H if draft.norms.norm_before_fc or draft.norms.fc_norm else 0)
     trainable = fc + first + other * (s.num_layers - 1) + H  # + the output norm
     # embed_tokens, the draft lm_head, verifier_lm_head (its twin for the loss targets), verifier_norm
     frozen = s.verifier_vocab_size * H + 2 * s.draft_vocab_size * H + H
@@ -96,7 +98,7 @@ def make_plan(recipe: Recipe) -> dict:
     hs = hs_fp8 if recipe.extract.storage_dtype == "fp8" else hs_bf16
     t, tp = recipe.train, recipe.plan
     gpus = t.nproc_per_node * t.nnodes
-    params = draft_parameters(shape, len(recipe.aux_layer_ids), recipe.draft.norm_before_fc)
+    params = draft_parameters(shape, len(recipe.aux_layer_ids), recipe.draft)
     ckpt = params["saved"] * 2 + params["trainable"] * 2 * 2  # bf16 weights + bf16 Adam moments
     capture_shards = math.ceil(convs / recipe.capture.prompts_per_shard)
     extract_shards = max(1, math.ceil(hs / recipe.extract.shard_bytes))

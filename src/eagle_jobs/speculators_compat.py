@@ -32,6 +32,11 @@ Plus three behaviours we add through a subclass, not a patch:
    terminal (a pod's log): rank 0 then prints plain lines, steps done and ETA,
    every EAGLE_JOBS_PROGRESS_INTERVAL_S (tested in tests/test_train.py,
    test_loss_decreases_on_its_training_data).
+9. speculators' loss specs are names (or a JSON dict of weights) only: lk_hybrid's
+   `eta` keeps its default 3.0 whatever the caller wants. `with_loss_parameters`
+   binds train.loss.eta to speculators' own lk_hybrid function (fused or eager)
+   in the loss config its get_trainer_kwargs resolved; every other term is left
+   as speculators resolved it.
 """
 
 from __future__ import annotations
@@ -99,6 +104,16 @@ def setup_distributed() -> None:
     _dist._local_rank, _dist._is_distributed = int(os.environ["LOCAL_RANK"]), True  # noqa: SLF001
     _dist._rank, _dist._world_size = dist.get_rank(), dist.get_world_size()  # noqa: SLF001
     _dist._init_sp_process_groups(_dist._rank, _dist._world_size, 1)  # noqa: SLF001
+
+
+def with_loss_parameters(loss_config: dict, eta: float | None = None) -> dict:
+    """speculators' resolved loss config with lk_hybrid's eta bound (9); unchanged when eta is None."""
+    import functools
+
+    if eta is None:
+        return loss_config
+    return {name: (functools.partial(fn, eta=eta) if name == "lk_hybrid" else fn, weight)
+            for name, (fn, weight) in loss_config.items()}
 
 
 # -- state conversion: torch pickles <-> safetensors + JSON ---------------------------
