@@ -238,3 +238,19 @@ def admit(version: str, gates: frozenset[str] = frozenset()):
             return None
         return create_status(obj, version, gates)
     return hook
+
+
+def update_status(old: dict, new: dict, version: str) -> dict | None:
+    """ValidateUpdate at `version`: replicatedJobs (and managedBy) are immutable, except a suspended JobSet's pod
+    template labels, annotations, nodeSelector, tolerations and schedulingGates (for Kueue), which this
+    stand-in does not port (none of our updates is one). v0.8.2 returns errs.ToAggregate(), a plain error:
+    403 Forbidden through controller-runtime's Denied; v0.12.0 apierrors.NewInvalid: 422 Invalid (line 402)."""
+    assert not (old["spec"].get("suspend") or new["spec"].get("suspend")), "port the suspended-JobSet exception first"
+    errs = [f"spec.{f}: Invalid value: {json.dumps(new['spec'].get(f), separators=(',', ':'))}: field is immutable"
+            for f in ("replicatedJobs", "managedBy") if old["spec"].get(f) != new["spec"].get(f)]
+    if not errs:
+        return None
+    denied = f'admission webhook "{WEBHOOK}" denied the request: '
+    if version == OLDEST:
+        return status(403, "Forbidden", denied + (errs[0] if len(errs) == 1 else "[" + ", ".join(errs) + "]"))
+    return status(422, "Invalid", denied + _invalid(new["metadata"]["name"], errs))

@@ -18,7 +18,7 @@ import yaml
 
 import jobset_admission as adm
 from test_cluster import kube  # noqa: F401 - a fixture: the fake API server with k8s/cluster-setup applied
-from test_k8s import OVERLAYS, _jobset, _pod, _render_overlay, rendered  # noqa: F401 - rendered is a fixture
+from test_k8s import OVERLAYS, _jobset, _pod, _render_overlay, rendered, shared_rendered  # noqa: F401 - fixtures
 
 REPO = Path(__file__).resolve().parents[1]
 OPS = REPO / "docs/OPERATIONS.md"
@@ -260,3 +260,102 @@ def test_pull_secret_component_gives_every_pod_the_registry_credentials(rendered
             pod = _pod(js, rj["name"])
             assert pod["serviceAccountName"] == sa["metadata"]["name"] and "imagePullSecrets" not in pod, (overlay, rj["name"])
     assert "components/pull-secret" in OPS.read_text() and "eagle-jobs-pull" in OPS.read_text()
+
+
+# -- 3. skaffold dev deploys what it built ------------------------------------------------------------------------
+SKAFFOLD = REPO / "skaffold.yaml"
+
+
+def _skaffold() -> dict:
+    (cfg,) = [d for d in yaml.safe_load_all(SKAFFOLD.read_text()) if d]
+    return cfg
+
+
+def _skaffold_dev(docs: list[dict], built: str, run_id: str, resource_selector: dict | None) -> list[dict]:
+    """The dev render as `skaffold dev -p dev` applies it, having built images/dev as `built`."""
+    import skaffold_transform
+
+    (artifact,) = next(p for p in _skaffold()["profiles"] if p["name"] == "dev")["patches"][0]["value"]
+    return skaffold_transform.transform(docs, {artifact["image"]: built}, {"skaffold.dev/run-id": run_id},
+                                        resource_selector)
+
+
+def test_skaffold_dev_deploys_the_image_it_built_in_every_container(rendered):
+    """skaffold.yaml validates against skaffold's own schema for its apiVersion (tests/schemas/skaffold-v4beta11.json,
+    docs-v2/content/en/schemas at v2.24.0) and allows JobSet in its resourceSelector; the dev render as skaffold
+    transforms it then names the built tag in every container and carries skaffold's run label on every
+    pod template (log streaming). Without the selector skaffold leaves the JobSet alone."""
+    import json
+
+    import jsonschema
+
+    cfg = _skaffold()
+    assert cfg["apiVersion"] == "skaffold/v4beta11"
+    jsonschema.validate(cfg, json.loads((REPO / "tests/schemas/skaffold-v4beta11.json").read_text()))
+    built = "ghcr.io/eagle-jobs/dev:5f3c2e1-dirty"
+    docs = _skaffold_dev(rendered["dev"], built, "run-1", cfg.get("resourceSelector"))
+    ours = [i for i in _images(docs) if i.partition(":")[0] not in THIRD_PARTY]  # mc: pinned, never built
+    assert set(ours) == {built} and len(ours) >= 10
+    js = _jobset(docs)
+    assert js["metadata"]["labels"]["skaffold.dev/run-id"] == "run-1"
+    for rj in js["spec"]["replicatedJobs"]:
+        assert rj["template"]["spec"]["template"]["metadata"]["labels"]["skaffold.dev/run-id"] == "run-1"
+        assert rj["template"]["spec"]["template"]["metadata"]["labels"]["eagle-jobs/stage"] == rj["name"]
+    untouched = _skaffold_dev(rendered["dev"], built, "run-1", None)
+    assert built not in _images(untouched) and _images(untouched) == _images(rendered["dev"])
+
+
+def test_a_skaffold_redeploy_recreates_the_jobset_from_jobset_v0_12(rendered):
+    """A rebuild changes the JobSet's pod templates, which are immutable. `kubectl apply --force` deletes and
+    recreates only on 409 Conflict or 422 Invalid (kubectl pkg/cmd/apply/patcher.go, Patcher.Patch:
+    `(apierrors.IsConflict(err) || apierrors.IsInvalid(err)) && p.Force` -> deleteAndCreate). JobSet v0.12.0's
+    webhook refuses the update with 422; v0.8.2's with 403, and every redeploy would fail: the dev docs pin v0.12.0."""
+    cfg = _skaffold()
+    assert "--force" in cfg["deploy"]["kubectl"]["flags"]["apply"]
+    first = _jobset(_skaffold_dev(rendered["dev"], "ghcr.io/eagle-jobs/dev:aaaaaaa", "run-1", cfg["resourceSelector"]))
+    second = _jobset(_skaffold_dev(rendered["dev"], "ghcr.io/eagle-jobs/dev:bbbbbbb", "run-2", cfg["resourceSelector"]))
+    recreated = {v: (adm.update_status(first, second, v) or {}).get("reason") in ("Conflict", "Invalid")
+                 for v in adm.VERSIONS}
+    assert recreated == {adm.OLDEST: False, adm.NEWEST: True}
+    assert adm.update_status(first, first, adm.NEWEST) is None
+    dev = OPS.read_text().split("### Dev loop")[1].split("\n## ")[0]
+    assert "jobset/releases/download/v0.12.0/manifests.yaml" in dev and "403" in dev
+
+
+# kind's node beside the dev pods: kubeadm's static pods (cmd/kubeadm/app/phases/controlplane/manifests.go
+# GetStaticPodSpecs: kube-apiserver 250m, kube-controller-manager 200m, kube-scheduler 100m; phases/etcd/local.go:
+# etcd 100m), CoreDNS 2 x 100m (phases/addons/dns manifests), kindnet 100m (kind's CNI manifest); the JobSet
+# controller (jobset config/components/manager/manager.yaml at v0.12.0, line 95: cpu 500m, memory 128Mi)
+DEV_NODE_CPU = 4.0
+KIND_CONTROL_PLANE_CPU = 0.25 + 0.2 + 0.1 + 0.1 + 2 * 0.1 + 0.1
+JOBSET_CONTROLLER_CPU = 0.5
+
+
+def _cpu(q) -> float:
+    q = str(q)
+    return float(q[:-1]) / 1000 if q.endswith("m") else float(q)
+
+
+def pod_cpu_request(pod: dict) -> float:
+    """The scheduler's view of a pod's CPU request with native sidecars (kubernetes pkg/api/v1/resource/helpers.go
+    PodRequests -> AggregateContainerRequests): the larger of (app containers + every sidecar) and, for each
+    init container in order, its own request plus the sidecars started before it."""
+    req = lambda c: _cpu(c.get("resources", {}).get("requests", {}).get("cpu", 0))  # noqa: E731
+    sidecars, peak = 0.0, 0.0
+    for c in pod.get("initContainers", []):
+        peak = max(peak, sidecars + req(c))
+        if c.get("restartPolicy") == "Always":
+            sidecars += req(c)
+    return max(peak, sidecars + sum(req(c) for c in pod["containers"]))
+
+
+def test_dev_pods_fit_a_4_cpu_kind_node_with_its_controllers(rendered, shared_rendered):
+    (minio,) = [d for d in shared_rendered["dev-services"] if d["kind"] == "Deployment"]
+    free = DEV_NODE_CPU - KIND_CONTROL_PLANE_CPU - JOBSET_CONTROLLER_CPU - pod_cpu_request(minio["spec"]["template"]["spec"])
+    assert abs(free - 2.05) < 1e-9
+    js = _jobset(rendered["dev"])
+    for rj in js["spec"]["replicatedJobs"]:  # one stage at a time (dependsOn): each pod alone must fit
+        assert pod_cpu_request(_pod(js, rj["name"])) <= free, rj["name"]
+    shm = [v for v in _pod(js, "train")["volumes"] if v["name"] == "dshm"]
+    assert shm and shm[0]["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in _pod(js, "train")["containers"][0]["volumeMounts"]
