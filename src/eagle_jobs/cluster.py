@@ -30,7 +30,7 @@ APPLY = "application/apply-patch+yaml"
 
 class WatchExit(IntEnum):
     SUCCEEDED = 0
-    BAD_INPUT = 20  # a stage failed with exit 3: fix the recipe or data, do not retry
+    BAD_INPUT = 20  # a stage's worker or prepare failed with exit 3 (or 2, usage): fix the recipe or data
     STORE = 21  # a stage failed with exit 4: bucket or credentials
     FAILED = 22  # a stage exhausted its retries (any other failure)
     DEADLINE = 23  # a stage ran past activeDeadlineSeconds
@@ -215,7 +215,7 @@ def _status_message(e) -> str:
     return "; ".join(line.strip() for line in str(msg).splitlines() if line.strip())
 
 
-def _apply_one(core, apps, rbac, custom, net, kind, name, ns, d, kw) -> None:
+def _apply_one(core, apps, rbac, custom, net, kind, name, ns, d, kw):
     appliers = {  # kind -> the typed client's patch call (content type: apply)
         "Namespace": lambda: core.patch_namespace(name, d, **kw),
         "ServiceAccount": lambda: core.patch_namespaced_service_account(name, ns, d, **kw),
@@ -341,10 +341,11 @@ def pod_state(p) -> tuple[str, str]:
     if p.metadata.deletion_timestamp is not None:
         return phase, "Terminating"
     if phase in ("Succeeded", "Failed"):
-        for cs in (st.container_statuses or []):
+        for cs in (st.container_statuses or []) + (st.init_container_statuses or []):
             term = cs.state.terminated if cs.state else None
-            if cs.name == "worker" and term is not None:
-                return phase, f"worker exit {term.exit_code}" + (f" ({term.reason})" if term.reason else "")
+            # the worker's code; or prepare's, when it failed and the worker never ran
+            if term is not None and (cs.name == "worker" or (cs.name == "prepare" and term.exit_code)):
+                return phase, f"{cs.name} exit {term.exit_code}" + (f" ({term.reason})" if term.reason else "")
         return phase, st.reason or ""
     for c in (st.conditions or []):
         if c.type == "PodScheduled" and c.status == "False":
@@ -399,10 +400,23 @@ def store_progress(store, run_id: str) -> dict:
     return out
 
 
+# the codes podFailurePolicy fails a run on at once (k8s/base/pipeline.yaml), in the containers it reads
+FAIL_FAST = {int(ExitCode.USAGE): WatchExit.BAD_INPUT, int(ExitCode.BAD_INPUT): WatchExit.BAD_INPUT,
+             int(ExitCode.STORE): WatchExit.STORE}
+FAILING_CONTAINERS = ("worker", "prepare")
+
+
 def failure_exit(api, namespace: str, run_id: str, states: dict) -> WatchExit:
-    """Classify a failed run by its Jobs' condition reasons and its pods' exit codes."""
+    """Classify a failed run. Bad input first: the Job that podFailurePolicy failed says which container
+    exited with what ("Container prepare for pod ... failed with exit code 3 matching FailJob rule at
+    index 1", pkg/controller/job/pod_failure_policy.go), prepare's code as much as the worker's. Then
+    a deadline, then the exit codes the pods still show."""
     from kubernetes import client
 
+    for s in states["stages"].values():
+        m = re.search(r"failed with exit code (\d+)", s.get("message") or "")
+        if s.get("reason") == "PodFailurePolicy" and m and int(m[1]) in FAIL_FAST:
+            return FAIL_FAST[int(m[1])]
     reasons = {s["reason"] for s in states["stages"].values() if s.get("reason")}
     if "DeadlineExceeded" in reasons:
         return WatchExit.DEADLINE
@@ -410,15 +424,11 @@ def failure_exit(api, namespace: str, run_id: str, states: dict) -> WatchExit:
         namespace, label_selector=f"jobset.sigs.k8s.io/jobset-name={states['jobset']}").items
     codes = set()
     for p in pods:
-        for cs in (p.status.container_statuses or []):
+        for cs in (p.status.container_statuses or []) + (p.status.init_container_statuses or []):
             term = cs.state.terminated if cs.state else None
-            if cs.name == "worker" and term is not None and term.exit_code:
+            if cs.name in FAILING_CONTAINERS and term is not None and term.exit_code:
                 codes.add(term.exit_code)
-    if int(ExitCode.BAD_INPUT) in codes:
-        return WatchExit.BAD_INPUT
-    if int(ExitCode.STORE) in codes:
-        return WatchExit.STORE
-    return WatchExit.FAILED
+    return next((exit_ for code, exit_ in FAIL_FAST.items() if code in codes), WatchExit.FAILED)
 
 
 def print_status(states: dict, progress: dict | None) -> None:
@@ -434,6 +444,10 @@ def print_status(states: dict, progress: dict | None) -> None:
                   x.get("completed_indexes", ""), x.get("failed_indexes", ""),
                   f"{p['committed_shards']} shards{' , complete' if p['complete'] else ''}" if p else "-")
     console.print(t)
+    for s, x in states["stages"].items():  # why a stage failed, in the Job controller's words
+        if x.get("reason"):
+            console.print(f"  {s} failed: {x['reason']}: {x.get('message') or ''}", soft_wrap=True, markup=False,
+                          highlight=False)
     pods = [(s, pod) for s, x in states["stages"].items() for pod in x.get("pods", [])]
     if pods:
         t = Table(title="pods")
