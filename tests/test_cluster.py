@@ -75,7 +75,8 @@ def test_submit_renders_one_run_and_applies_server_side(kube):
     pod = js["spec"]["replicatedJobs"][2]["template"]["spec"]["template"]["spec"]
     assert {"configMapRef": {"name": run_cm["metadata"]["name"]}} in pod["containers"][0]["envFrom"]
     assert next(v for v in pod["volumes"] if v["name"] == "recipe")["configMap"]["name"] == recipe_cm["metadata"]["name"]
-    assert all(m == "PATCH" for m, p in fake.requests if "jobsets" in p and "watch" not in p)
+    # server-side apply (PATCH), never a create or replace; the GET reads the new JobSet's uid for its ConfigMaps
+    assert {m for m, p in fake.requests if "jobsets" in p and "watch" not in p} == {"PATCH", "GET"}
     rv = js["metadata"]["resourceVersion"]
     cluster.submit(REPO / "k8s/overlays/full", "ci-42", kubeconfig=kc)  # idempotent
     assert fake.get(JS, "eagle-jobs-ci-42")["metadata"]["resourceVersion"] == rv

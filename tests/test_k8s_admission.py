@@ -359,3 +359,104 @@ def test_dev_pods_fit_a_4_cpu_kind_node_with_its_controllers(rendered, shared_re
     shm = [v for v in _pod(js, "train")["volumes"] if v["name"] == "dshm"]
     assert shm and shm[0]["emptyDir"]["medium"] == "Memory"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in _pod(js, "train")["containers"][0]["volumeMounts"]
+
+
+# -- 9. the smaller items ------------------------------------------------------------------------------------------
+JS_COLL = "/apis/jobset.x-k8s.io/v1alpha2/namespaces/eagle-jobs/jobsets"
+
+
+def garbage_collect(fake) -> list[tuple[str, str]]:
+    """kube-controller-manager's garbage collector as it treats our objects (pkg/controller/garbagecollector,
+    attemptToDeleteItem): an object all of whose owners are gone (no object with the referenced uid) is
+    deleted; blockOwnerDeletion and foreground deletion are not used here."""
+    uids = {o["metadata"]["uid"] for o in fake.objects.values()}
+    gone = [key for key, o in fake.objects.items()
+            if o["metadata"].get("ownerReferences") and not any(r["uid"] in uids for r in o["metadata"]["ownerReferences"])]
+    for coll, name in gone:
+        fake.delete(coll, name)
+    return gone
+
+
+def test_submit_makes_the_jobset_own_its_configmaps(kube):
+    from eagle_jobs import cluster
+
+    fake, kc = kube
+    for run in ("r1", "r2", "r1"):  # the second r1: idempotent, still one owner
+        cluster.submit(REPO / "k8s/overlays/smoke", run, kubeconfig=kc)
+    for run in ("r1", "r2"):
+        js = fake.get(JS_COLL, f"eagle-jobs-{run}")
+        cms = [o for (c, n), o in fake.objects.items() if c.endswith("/configmaps") and f"-{run}-" in n]
+        assert len(cms) == 2
+        for cm in cms:
+            assert cm["metadata"]["namespace"] == js["metadata"]["namespace"]  # owners are never cross-namespace
+            assert cm["metadata"]["ownerReferences"] == [{"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+                                                          "name": js["metadata"]["name"], "uid": js["metadata"]["uid"]}]
+    assert garbage_collect(fake) == []
+    fake.delete(JS_COLL, "eagle-jobs-r1")  # its TTL, or kubectl delete jobset
+    collected = garbage_collect(fake)
+    assert len(collected) == 2 and all("-r1-" in n for _c, n in collected)
+    assert [n for (c, n) in fake.objects if c.endswith("/configmaps")] and not any(
+        "-r1-" in n for (c, n) in fake.objects if c.endswith("/configmaps"))
+
+
+def test_kube_prometheus_stack_selects_the_podmonitor(tmp_path):
+    """The chart's Prometheus: podMonitorSelector {matchLabels: {release: <release name>}} when
+    podMonitorSelectorNilUsesHelmValues (default true), podMonitorNamespaceSelector {} (every namespace):
+    prometheus-community/helm-charts charts/kube-prometheus-stack/templates/prometheus/prometheus.yaml."""
+    docs = _render_overlay(tmp_path, {"resources": ["monitoring"]})
+    (pm,) = [d for d in docs if d["kind"] == "PodMonitor"]
+    selector = {"matchLabels": {"release": "kube-prometheus-stack"}}
+    assert all(pm["metadata"]["labels"].get(k) == v for k, v in selector["matchLabels"].items())
+    (tmp_path / "other").mkdir()
+    other = _render_overlay(tmp_path / "other", {"resources": ["monitoring"], "labels": [{"pairs": {"release": "prom"}}]})
+    assert next(d for d in other if d["kind"] == "PodMonitor")["metadata"]["labels"]["release"] == "prom"  # as documented
+    assert "release: kube-prometheus-stack" in OPS.read_text()
+
+
+def test_smoke_trains_on_one_gpu_with_an_eighth_of_the_node(rendered):
+    full, smoke = _pod(_jobset(rendered["full"]), "train"), _pod(_jobset(rendered["smoke"]), "train")
+    fr, sr = full["containers"][0]["resources"], smoke["containers"][0]["resources"]
+    gpus = int(sr["limits"]["nvidia.com/gpu"])
+    assert gpus == 1 and int(fr["limits"]["nvidia.com/gpu"]) == 8
+    assert _cpu(sr["requests"]["cpu"]) == _cpu(fr["requests"]["cpu"]) * gpus / 8
+    gib = lambda q: float(q.removesuffix("Gi"))  # noqa: E731
+    assert gib(sr["requests"]["memory"]) == gib(fr["requests"]["memory"]) * gpus / 8
+    assert sr["requests"] == sr["limits"]
+    shm = next(v for v in smoke["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"]
+    assert gib(shm) < gib(sr["limits"]["memory"]) / 2  # charged to the pod's memory
+
+
+@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o != "dev"])
+def test_no_container_that_asks_for_no_gpu_sees_one(rendered, overlay):
+    """CUDA images set NVIDIA_VISIBLE_DEVICES=all; on a toolkit that honours the variable, a container with no
+    GPU request would see every GPU of the node: void hides them (prepare, the workers beside a sidecar, mirror)."""
+    js = _jobset(rendered[overlay])
+    for rj in js["spec"]["replicatedJobs"]:
+        pod = _pod(js, rj["name"])
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            if not c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu"):
+                assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in c.get("env", []), (overlay, rj["name"], c["name"])
+
+
+def kueue_pods_ready(js: dict) -> bool:
+    """kubernetes-sigs/kueue v0.19.2 pkg/controller/jobs/jobset/jobset_controller.go JobSet.PodsReady (185-195)."""
+    replicas = sum(rj.get("replicas", 1) for rj in js["spec"]["replicatedJobs"])
+    ready = sum(s.get("ready", 0) + s.get("succeeded", 0) for s in js.get("status", {}).get("replicatedJobsStatus", []))
+    return replicas == ready
+
+
+def test_kueue_never_sees_a_dependson_run_ready_before_its_last_stage(rendered, tmp_path):
+    """Why components/kueue needs waitForPodsReady off: each stage in turn running and ready, the earlier ones
+    done, the later ones not created (dependsOn), as JobSet reports them in status.replicatedJobsStatus."""
+    (tmp_path / "k").mkdir()
+    js = _jobset(_render_overlay(tmp_path / "k", {"resources": ["overlays/full"], "components": ["components/kueue"]}))
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "eagle-jobs"
+    names = [rj["name"] for rj in js["spec"]["replicatedJobs"]]
+    seen = []
+    for i in range(len(names)):
+        status = [{"name": n, "ready": int(k == i), "succeeded": int(k < i), "active": int(k == i)}
+                  for k, n in enumerate(names)]
+        seen.append(kueue_pods_ready({**js, "status": {"replicatedJobsStatus": status}}))
+    assert seen == [False] * (len(names) - 1) + [True]
+    comp = (REPO / "k8s/components/kueue/kustomization.yaml").read_text()
+    assert "waitForPodsReady" in comp and "DisableWaitForPodsReady=true" in OPS.read_text()

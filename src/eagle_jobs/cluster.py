@@ -45,6 +45,9 @@ MAX_JOBSET_NAME = 44
 
 
 def jobset_name(run_id: str) -> str:
+    from eagle_jobs.runid import check_run_id
+
+    check_run_id(run_id, "it names the JobSet")  # admitted run ids map onto RFC-1035 labels (runid.py)
     name = re.sub(r"[^a-z0-9-]+", "-", f"eagle-jobs-{run_id}".lower()).strip("-")
     if len(name) > MAX_JOBSET_NAME:
         raise BadInput(f"run id '{run_id}' is too long for a JobSet name "
@@ -260,10 +263,23 @@ def submit(overlay: Path, run_id: str, recipe_path: Path | None = None, kubeconf
             if e.status not in (401, 403):
                 raise
     applied = apply(api, docs)
+    own_configmaps(api, docs, js)
     if shared:
         console.print(f"  not applied (shared, k8s/cluster-setup's): {', '.join(shared)}")
     console.print(f"submitted {js['metadata']['name']} in namespace {ns}: {', '.join(applied)}")
     return {"jobset": js["metadata"]["name"], "namespace": ns, "applied": applied}
+
+
+def own_configmaps(api, docs: list[dict], js: dict) -> None:
+    """The run's ConfigMaps, applied before the JobSet (its pods read them), then given the JobSet as owner
+    (its uid exists only now; the client returns no body for apply's 201 Created, so it is read back): the
+    garbage collector deletes them with it, at its TTL or on delete."""
+    from kubernetes import client
+
+    md = js["metadata"]
+    live = client.CustomObjectsApi(api).get_namespaced_custom_object(GROUP, VERSION, md["namespace"], PLURAL, md["name"])
+    owner = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "JobSet", "name": md["name"], "uid": live["metadata"]["uid"]}
+    apply(api, [{**d, "metadata": {**d["metadata"], "ownerReferences": [owner]}} for d in docs if d["kind"] == "ConfigMap"])
 
 
 # -- status ------------------------------------------------------------------------------
