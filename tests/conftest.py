@@ -180,7 +180,7 @@ def draft_call_kwargs(recipe, loss_implementation: str) -> dict:
 # s3: talks to moto's S3 server; k8s: renders manifests with kustomize. s3 and k8s are marked from
 # the fixtures and modules a test uses; vllm and train are marked per module or per test, and the
 # guard below fails a test that starts real vLLM without the marker, so the fast tier stays fast.
-K8S_MODULES = {"test_k8s", "test_k8s_admission", "test_k8s_failure", "test_cluster", "test_workflow", "test_images"}
+K8S_MODULES = {"test_k8s", "test_k8s_compare", "test_k8s_admission", "test_k8s_failure", "test_cluster", "test_workflow", "test_images"}
 REAL_VLLM = {str(Path(sys.executable).parent / "vllm"), "eagle_jobs.vllm_cpu"}
 
 

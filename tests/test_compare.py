@@ -32,7 +32,16 @@ def test_variants_train_on_one_extraction_and_a_rerun_skips_them(tiny_recipe, bu
     run_extract(recipe, st, "r")
     extract_before = {m["shard"]: m["committed_at"] for m in Stage(st, "r", "extract").manifests()}
 
-    report = run_compare(recipe, st, "r")
+    # one train replica of the Kubernetes component: trains arm 1 (base is arm 0) and nothing else
+    assert run_compare(recipe, st, "r", arm_index=1) == {"run_id": "r", "trained": "hot"}
+    assert Stage(st, "r", "variants/hot/train").is_complete()
+    assert not Stage(st, "r", "variants/hot/eval").manifests() and not Stage(st, "r", "variants/base/train").manifests()
+    hot_trained = Stage(st, "r", "variants/hot/train").manifest("final")["committed_at"]
+    with pytest.raises(BadInput, match="--arm-index 3: the recipe has 3 arms"):
+        run_compare(recipe, st, "r", arm_index=3)
+
+    report = run_compare(recipe, st, "r")  # trains the other arms, evaluates all, hot is not trained again
+    assert Stage(st, "r", "variants/hot/train").manifest("final")["committed_at"] == hot_trained
     assert [r["variant"] for r in report["variants"]] == ["base", "hot", "narrow"] and not report["missing"]
     by = {r["variant"]: r for r in report["variants"]}
     assert by["hot"]["overrides"] == {"train": {"lr": 3e-3}}

@@ -22,9 +22,28 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 RecipeOpt = Annotated[Path, typer.Option("--recipe", "-r", help="jobs/<name>.yaml")]
 StoreOpt = Annotated[Optional[str], typer.Option("--store", help="file://... or s3://bucket/prefix (default: the recipe's)")]
-RunOpt = Annotated[Optional[str], typer.Option("--run-id", help="run id (default: the recipe's)")]
+
+
+def _run_id_option(value: str | None) -> str | None:
+    """--run-id, checked while the command line is parsed: before any recipe, store or server."""
+    from eagle_jobs.runid import check_run_id
+
+    return None if value is None else check_run_id(value, "--run-id")
+
+
+def _run_id_argument(value: str | None) -> str | None:
+    from eagle_jobs.runid import check_run_id
+
+    return None if value is None else check_run_id(value, "RUN_ID")
+
+
+RunOpt = Annotated[Optional[str], typer.Option("--run-id", help="run id (default: $EAGLE_JOBS_RUN_ID, else the recipe's)",
+                                               callback=_run_id_option)]
+RunIdArg = Annotated[str, typer.Argument(help="the run id", callback=_run_id_argument)]
 IndexOpt = Annotated[Optional[int], typer.Option("--shard-index", help="this worker (default: $JOB_COMPLETION_INDEX)")]
 VariantOpt = Annotated[Optional[str], typer.Option(help="one arm of `compare` (recipe variants)")]
+MinSpeedupOpt = Annotated[Optional[float], typer.Option(
+    help="require this speedup at concurrency 1 on every prompt set (default: the recipe's evaluate.min_speedup)")]
 NumOpt = Annotated[Optional[int], typer.Option("--num-shards", help="number of workers (default: $EAGLE_JOBS_NUM_SHARDS)")]
 
 
@@ -32,10 +51,18 @@ def _context(recipe_path: Path, store: str | None, run_id: str | None):
     from eagle_jobs.recipe import load_recipe
     from eagle_jobs.store import Store
 
-    recipe = load_recipe(recipe_path)
+    recipe = load_recipe(recipe_path)  # checks the recipe's store.run_id
+    rid = run_id or _env_run_id() or recipe.store.run_id  # before the store is opened: it may write
     st = Store.open(store or os.environ.get("EAGLE_JOBS_STORE") or recipe.store.uri)
     st.check()
-    return recipe, st, run_id or os.environ.get("EAGLE_JOBS_RUN_ID") or recipe.store.run_id
+    return recipe, st, rid
+
+
+def _env_run_id() -> str | None:
+    from eagle_jobs.runid import check_run_id
+
+    value = os.environ.get("EAGLE_JOBS_RUN_ID")
+    return check_run_id(value, "$EAGLE_JOBS_RUN_ID") if value else None
 
 
 def _arm(recipe, variant: str | None):
@@ -99,12 +126,14 @@ def run(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
 @app.command()
 def compare(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
             variants: Annotated[Optional[str], typer.Option(help="comma-separated subset (base = the recipe)")] = None,
-            report_only: Annotated[bool, typer.Option(help="only write the table of what is committed")] = False):
+            report_only: Annotated[bool, typer.Option(help="only write the table of what is committed")] = False,
+            arm_index: Annotated[Optional[int], typer.Option(
+                help="train only this arm (base first, then the variants in recipe order): one replica each")] = None):
     """Train and evaluate the recipe's variants on the run's committed extraction; one table."""
     from eagle_jobs.compare import run_compare
 
     r, st, rid = _context(recipe, store, run_id)
-    run_compare(r, st, rid, variants.split(",") if variants else None, report_only=report_only)
+    run_compare(r, st, rid, variants.split(",") if variants else None, report_only=report_only, arm_index=arm_index)
 
 
 @app.command()
@@ -117,8 +146,9 @@ def plan(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None):
     from eagle_jobs.recipe import load_recipe
 
     r = load_recipe(recipe)
+    rid = run_id or _env_run_id() or r.store.run_id
     st = _store_or_none(store)
-    print_plan(r, st, run_id or r.store.run_id)
+    print_plan(r, st, rid)
 
 
 @app.command()
@@ -138,7 +168,8 @@ KubeOpt = Annotated[Optional[str], typer.Option("--kubeconfig", help="kubeconfig
 
 @app.command()
 def submit(overlay: Annotated[Path, typer.Option(help="k8s/overlays/<name>")],
-           run_id: Annotated[str, typer.Option("--run-id", help="this run's id: JobSet name, labels, store path")],
+           run_id: Annotated[str, typer.Option("--run-id", help="this run's id: JobSet name, labels, store path",
+                                               callback=_run_id_option)],
            recipe: Annotated[Optional[Path], typer.Option(help="replace the overlay's recipe")] = None,
            kubeconfig: KubeOpt = None,
            image: Annotated[Optional[list[str]], typer.Option(
@@ -156,7 +187,7 @@ def submit(overlay: Annotated[Path, typer.Option(help="k8s/overlays/<name>")],
 
 
 @app.command()
-def status(run_id: Annotated[str, typer.Argument()], namespace: NsOpt = "eagle-jobs", kubeconfig: KubeOpt = None,
+def status(run_id: RunIdArg, namespace: NsOpt = "eagle-jobs", kubeconfig: KubeOpt = None,
            store: StoreOpt = None):
     """Per-stage state, extraction indexes done/failed, and progress read from the store."""
     from eagle_jobs import cluster
@@ -170,7 +201,7 @@ def status(run_id: Annotated[str, typer.Argument()], namespace: NsOpt = "eagle-j
 
 
 @app.command()
-def watch(run_id: Annotated[str, typer.Argument()], namespace: NsOpt = "eagle-jobs", kubeconfig: KubeOpt = None,
+def watch(run_id: RunIdArg, namespace: NsOpt = "eagle-jobs", kubeconfig: KubeOpt = None,
           store: StoreOpt = None, timeout: Annotated[Optional[float], typer.Option(help="seconds")] = None,
           heartbeat: Annotated[Optional[float], typer.Option(
               help="seconds between 'still running' lines (default 600)")] = None):
@@ -184,7 +215,7 @@ def watch(run_id: Annotated[str, typer.Argument()], namespace: NsOpt = "eagle-jo
 
 
 @app.command()
-def logs(run_id: Annotated[str, typer.Argument()], namespace: NsOpt = "eagle-jobs", kubeconfig: KubeOpt = None,
+def logs(run_id: RunIdArg, namespace: NsOpt = "eagle-jobs", kubeconfig: KubeOpt = None,
          stage: Annotated[Optional[str], typer.Option(help="capture, extract, train or evaluate")] = None,
          tail: Annotated[Optional[int], typer.Option(help="last N lines per pod")] = None):
     """The worker logs of a run's pods."""
@@ -198,6 +229,7 @@ def reconcile(to: Annotated[str, typer.Option("--to", help="<store>/drafts/<name
               store: StoreOpt = None,
               prefix: Annotated[str, typer.Option(help="only run ids that start with this (ci-)")] = "",
               tolerance: Annotated[float, typer.Option(help="a tie within this much tau still promotes")] = 0.01,
+              min_speedup: MinSpeedupOpt = None,
               summary: Annotated[Optional[Path], typer.Option(
                   help="append a Markdown summary here ($GITHUB_STEP_SUMMARY)")] = None):
     """Decide every finished run once: promote it if at least as good (the scheduled half of CI)."""
@@ -206,7 +238,7 @@ def reconcile(to: Annotated[str, typer.Option("--to", help="<store>/drafts/<name
     st = _store_or_none(store)
     if st is None:
         raise typer.BadParameter("--store (or $EAGLE_JOBS_STORE) is required")
-    decided = do_reconcile(st, to, prefix, tolerance)
+    decided = do_reconcile(st, to, prefix, tolerance, min_speedup)
     if summary is not None:
         with open(summary, "a") as f:
             f.write("## Finished runs\n\n" if decided else "## Finished runs\n\nnone since the last pass\n")
@@ -215,10 +247,11 @@ def reconcile(to: Annotated[str, typer.Option("--to", help="<store>/drafts/<name
 
 
 @app.command()
-def promote(run_id: Annotated[str, typer.Argument()],
+def promote(run_id: RunIdArg,
             to: Annotated[str, typer.Option("--to", help="<store>/drafts/<name>")],
             store: StoreOpt = None,
             tolerance: Annotated[float, typer.Option(help="a tie within this much tau still promotes")] = 0.01,
+            min_speedup: MinSpeedupOpt = None,
             image_digest: Annotated[Optional[list[str]], typer.Option(help="stage=sha256:... (repeatable)")] = None):
     """Copy a run's draft to a stable place only if its tau beats (or ties) the promoted one."""
     from eagle_jobs.promote import promote as do_promote
@@ -227,7 +260,7 @@ def promote(run_id: Annotated[str, typer.Argument()],
     if st is None:
         raise typer.BadParameter("--store (or $EAGLE_JOBS_STORE) is required")
     digests = dict(d.split("=", 1) for d in image_digest or [])
-    do_promote(st, run_id, to, tolerance, digests)
+    do_promote(st, run_id, to, tolerance, digests, min_speedup)
 
 
 def _store_or_none(uri: str | None):

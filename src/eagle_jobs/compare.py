@@ -35,7 +35,7 @@ def arm_names(recipe: Recipe, only: list[str] | None = None) -> list[str]:
     return names
 
 
-def run_arm(recipe: Recipe, store: Store, run_id: str, name: str) -> str:
+def run_arm(recipe: Recipe, store: Store, run_id: str, name: str, train_only: bool = False) -> str:
     """Train and evaluate one arm unless its evaluation is committed; what was done."""
     from eagle_jobs.evaluate import run_evaluate
     from eagle_jobs.train import run_train
@@ -46,6 +46,8 @@ def run_arm(recipe: Recipe, store: Store, run_id: str, name: str) -> str:
     console.rule(f"[bold]variant {name}")
     if not Stage(store, run_id, train_dir(name)).is_complete():
         run_train(arm, store, run_id, variant=name)
+    if train_only:  # a train replica of the compare component: the evaluate job measures every arm
+        return "trained"
     run_evaluate(arm, store, run_id, variant=name)
     return "done"
 
@@ -125,11 +127,19 @@ def plot_png(rows: list[dict]) -> bytes:
 
 
 def run_compare(recipe: Recipe, store: Store, run_id: str, only: list[str] | None = None,
-                report_only: bool = False) -> dict:
+                report_only: bool = False, arm_index: int | None = None) -> dict:
+    """Every arm (or `only` some, or the `arm_index`-th: one train replica on Kubernetes, which
+    trains its arm and returns), then the table of every committed arm."""
     if not recipe.variants and not only:
         raise BadInput("compare: the recipe has no `variants:` (name -> overrides of draft/train); add some")
     extraction_info(store, run_id)  # the one extraction every arm trains on: NotReady in one line if missing
     names = arm_names(recipe, only)
+    if arm_index is not None:
+        if not 0 <= arm_index < len(names):
+            raise BadInput(f"compare --arm-index {arm_index}: the recipe has {len(names)} arms {names} "
+                           "(set the train job's completions to that count)")
+        run_arm(recipe, store, run_id, names[arm_index], train_only=True)
+        return {"run_id": run_id, "trained": names[arm_index]}
     status = {}
     for name in names:
         t0 = time.perf_counter()
