@@ -85,6 +85,18 @@ def _prompt_stats(recipe: Recipe) -> tuple[int, int, float]:
         return n, n, min(512, recipe.limits.max_prompt_tokens)
 
 
+# What a stage's activeDeadlineSeconds must cover beyond the estimate (docs/OPERATIONS.md#deadlines):
+# a throughput DEADLINE_SLOWDOWN times below the stated one, a node and the image pull, and for the
+# vLLM stages the sidecar's whole startup budget to load the verifier (30 s x 180, components/vllm-sidecar).
+DEADLINE_SLOWDOWN, DEADLINE_WAIT_S, DEADLINE_LOAD_S = 4, 1800, 5400
+VLLM_STAGES = ("capture", "extract", "evaluate")
+
+
+def deadline_floor_s(stage: str, time_s: float) -> int:
+    """The least activeDeadlineSeconds a stage of this estimate should have (a backstop, never a stall detector)."""
+    return math.ceil(DEADLINE_SLOWDOWN * time_s + DEADLINE_WAIT_S + (DEADLINE_LOAD_S if stage in VLLM_STAGES else 0))
+
+
 def make_plan(recipe: Recipe) -> dict:
     tcfg = _verifier_text_config(recipe)
     shape = resolve_shape(recipe, tcfg)
@@ -116,6 +128,8 @@ def make_plan(recipe: Recipe) -> dict:
         "evaluate": {"time_s": 2 * eval_tokens / tp.eval_tokens_per_s, "objects": 7, "write_bytes": 1e6,
                      "read_bytes": params["total"] * 2},
     }
+    for name, st in stages.items():
+        st["deadline_floor_s"] = deadline_floor_s(name, st["time_s"])
     return {"conversations": convs, "samples": gens, "tokens": tokens, "tokens_per_sample": seq,
             "hidden_state_bytes": {"bfloat16": hs_bf16, "fp8": hs_fp8}, "stored_layers": n_layers,
             "draft_shape": shape.describe(), "draft_parameters": params, "gpus_for_training": gpus,
@@ -140,10 +154,11 @@ def print_plan(recipe: Recipe, store=None, run_id: str | None = None) -> dict:
                   f"{_human(p['hidden_state_bytes']['fp8'])} fp8 ({p['stored_layers']} layers); "
                   f"draft {p['draft_parameters']['trainable']:,} trainable / {p['draft_parameters']['total']:,} total parameters")
     t = Table(title="per stage (stated throughputs: recipe `plan:`)")
-    for c in ("stage", "time", "objects", "store writes", "store reads"):
+    for c in ("stage", "time", "objects", "store writes", "store reads", "deadline >="):
         t.add_column(c)
     for name, s in p["stages"].items():
-        t.add_row(name, _duration(s["time_s"]), f"{s['objects']:,}", _human(s["write_bytes"]), _human(s["read_bytes"]))
+        t.add_row(name, _duration(s["time_s"]), f"{s['objects']:,}", _human(s["write_bytes"]), _human(s["read_bytes"]),
+                  f"{s['deadline_floor_s']:,} s")
     t.add_row("total", _duration(p["total_time_s"]), f"{p['total_objects']:,}", "", "")
     console.print(t)
     return p

@@ -67,11 +67,20 @@ class PlainTicker:
 
 @contextmanager
 def stage_progress(description: str, total: int, unit: str = "items"):
-    """Yields advance(n_items, n_tokens)."""
+    """Yields advance(n_items, n_tokens). Every advance is also the pod's progress heartbeat (heartbeat.py)."""
+    from eagle_jobs.heartbeat import beat
+
+    beat(force=True)
     if not console.is_terminal:
         ticker = PlainTicker(description, total, unit)
-        yield ticker.tick
+
+        def tick(n: int = 1, tokens: int = 0) -> None:
+            ticker.tick(n, tokens)
+            beat()
+
+        yield tick
         ticker.line()
+        beat(force=True)
         return
     start = time.perf_counter()
     state = {"tokens": 0}
@@ -86,6 +95,7 @@ def stage_progress(description: str, total: int, unit: str = "items"):
         def advance(n: int = 1, tokens: int = 0) -> None:
             state["tokens"] += tokens
             progress.update(task, advance=n, tokens=state["tokens"])
+            beat()
 
         yield advance
     elapsed = time.perf_counter() - start
