@@ -16,7 +16,8 @@ GET  /health                 -> 200 when ready      vllm/entrypoints/serve/healt
 GET  /v1/models              -> {"object":"list","data":[{"id","object":"model","owned_by"}]}
                                                       vllm/entrypoints/openai/models/protocol.py
 POST /v1/chat/completions    request: messages, max_tokens, temperature, top_p, seed,
-                             chat_template_kwargs, return_token_ids
+                             chat_template_kwargs, return_token_ids, stream, stream_options
+                             (the stand-in decodes greedily whatever the sampling fields say)
                              response: id, object="chat.completion", created, model,
                              choices[].{index, message{role, content, reasoning}, finish_reason,
                              token_ids}, prompt_token_ids, usage
@@ -227,6 +228,28 @@ class FakeVllm:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _send_stream(self, resp: dict, include_usage: bool) -> None:
+                """A chat answer as vLLM streams it (OpenAIServingChat.chat_completion_stream_generator):
+                a first chunk with the role, the text, an empty-choices usage chunk when
+                stream_options.include_usage, then `data: [DONE]`. Sent whole: only the framing differs."""
+                msg, head = resp["choices"][0]["message"], {k: resp[k] for k in ("id", "created", "model")}
+                head["object"] = "chat.completion.chunk"
+
+                def chunk(delta, finish=None):
+                    return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+                events = [chunk({"role": "assistant", "content": ""}),
+                          chunk({"reasoning": msg["reasoning"]} if msg["reasoning"] else {"content": msg["content"]}),
+                          chunk({"content": msg["content"] if msg["reasoning"] else ""}, resp["choices"][0]["finish_reason"])]
+                if include_usage:
+                    events.append({**head, "choices": [], "usage": resp["usage"]})
+                data = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Content-Length", str(len(data.encode())))
+                self.end_headers()
+                self.wfile.write(data.encode())
+
             def do_GET(self):
                 if self.path == "/health":
                     self._send(200, "")
@@ -262,6 +285,9 @@ class FakeVllm:
                             "/tokenize": fake.tokenize}
                 if self.path in handlers:
                     resp = handlers[self.path](body)
+                    if body.get("stream") and "error" not in resp:
+                        self._send_stream(resp, (body.get("stream_options") or {}).get("include_usage"))
+                        return
                     self._send(400 if "error" in resp else 200, resp)
                 else:
                     self._send(404, {"error": {"message": "not found", "type": "NotFoundError", "code": 404}})

@@ -208,7 +208,7 @@ def test_vllm_backend_reads_spec_decode_counters(trained, tiny_kimi, tmp_path):
     assert res["tokens_generated"] > 0
 
 
-def test_vllm_backend_starts_servers_for_draft_and_baseline(trained, monkeypatch):
+def test_vllm_backend_starts_servers_for_draft_baseline_and_no_draft(trained, monkeypatch):
     import os
     import sys
     from pathlib import Path
@@ -225,3 +225,7 @@ def test_vllm_backend_starts_servers_for_draft_and_baseline(trained, monkeypatch
     rep = run_evaluate(r, st, "r", output=Path(st.root) / "vllm-eval")
     assert rep["backend"] == "vllm" and rep["baseline_acceptance_length"] is not None
     assert rep["acceptance_length"] >= 1.0 and len(rep["per_position_acceptance"]) == 2
+    # and a third server, without --speculative-config, for the speed without a draft
+    levels = rep["speedup"]["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 8] and [lv["requests"] for lv in levels] == [8, 16]
+    assert all(lv["with_draft"]["output_tokens"] == lv["without_draft"]["output_tokens"] > 0 for lv in levels)

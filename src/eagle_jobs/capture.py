@@ -21,6 +21,7 @@ from eagle_jobs.committed import CAPTURE
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.prompts import Conversation, check_rejects, read_prompts
 from eagle_jobs.recipe import Recipe
+from eagle_jobs.sampling import ServedSampling, effective, request_fields
 from eagle_jobs.sharding import chunked, owned, resolve_worker, worker_tag
 from eagle_jobs.store import Stage, Store
 
@@ -117,6 +118,8 @@ class TransformersBackend:
         self.v = load_verifier(recipe.verifier)
         self.tok = self.v.tokenizer
         self.kw = recipe.chat.template_kwargs()
+        self.sampling = effective(recipe)
+        self.generator = torch.Generator()
         eos = self.v.model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos if eos is not None else self.tok.eos_token_id])
 
@@ -132,13 +135,20 @@ class TransformersBackend:
         for i, p in enumerate(batch):  # left padding
             ids[i, width - len(p):] = torch.tensor(p)
             att[i, width - len(p):] = 1
-        s = self.recipe.sampling
-        sample = s.temperature > 0
+        from transformers import LogitsProcessorList
+
+        sampler = ServedSampling(self.sampling, [len(p) for p in batch], width, self.generator)
+        # Greedy generate with vLLM's sampler as the one logits processor: transformers' own warpers never
+        # run, and nothing comes from the model's generation_config (transformers 5.19's
+        # _prepare_generation_config fills fields from it, then from its global defaults such as top_k 50,
+        # and only then applies these arguments: an explicit None switches a processor off).
+        off = dict.fromkeys(("temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
+                             "no_repeat_ngram_size"))
         with torch.inference_mode():
             out = self.v.model.generate(
-                input_ids=ids, attention_mask=att, max_new_tokens=max_new, do_sample=sample,
-                temperature=s.temperature if sample else None, top_p=s.top_p if sample else None,
-                top_k=None, pad_token_id=pad, eos_token_id=sorted(self.eos),
+                input_ids=ids, attention_mask=att, max_new_tokens=max_new, do_sample=False, **off,
+                logits_processor=LogitsProcessorList([sampler]),
+                pad_token_id=pad, eos_token_id=sorted(self.eos),
             )
         res = []
         for row in out[:, width:].tolist():
@@ -153,7 +163,7 @@ class TransformersBackend:
 
     def run(self, convs: list[Conversation], stats: ShardStats, advance) -> list[dict]:
         r, lim = self.recipe, self.recipe.limits
-        torch.manual_seed(r.sampling.seed + (convs[0].index if convs else 0))
+        self.generator.manual_seed(r.sampling.seed + (convs[0].index if convs else 0))
         state = {c.index: _start_history(r, c) for c in convs}
         pos = {c.index: 0 for c in convs}
         turn_no = {c.index: 0 for c in convs}
@@ -183,7 +193,7 @@ class TransformersBackend:
             pending.sort(key=lambda x: len(x[1]))
             for batch in chunked(pending, r.capture.batch_size):
                 longest = max(len(p) for _, p in batch)
-                max_new = max(1, min(r.sampling.max_new_tokens, lim.max_seq_len - longest))
+                max_new = max(1, min(self.sampling["max_tokens"], lim.max_seq_len - longest))
                 for (t, prompt), (comp, reason) in zip(batch, self._generate([p for _, p in batch], max_new)):
                     text = self.tok.decode([x for x in comp if x not in self.eos], skip_special_tokens=r.chat.reasoning_parser is None)
                     reasoning, content = parse_reasoning(text, r.chat.reasoning_parser, r.chat.thinking)
@@ -238,6 +248,7 @@ class VllmBackend:
     def __init__(self, recipe: Recipe, base_url: str):
         self.recipe, self.base = recipe, base_url
         self.kw = recipe.chat.template_kwargs()
+        self.sampling = effective(recipe)
 
     async def _model_id(self, client) -> str:
         r = await client.get(f"{self.base}/v1/models")
@@ -268,10 +279,10 @@ class VllmBackend:
                     stats.skipped_too_long += 1
                     stats.skipped.append(f"{c.index}:{turn}")
                     break  # later turns would be longer still
-                # Documented request fields: vllm/entrypoints/openai/chat_completion/protocol.py
+                # Documented request fields: vllm/entrypoints/openai/chat_completion/protocol.py; every
+                # sampling field explicit, so the server's generation-config flags never decide
                 body = {
-                    "model": model, "messages": history, "max_tokens": r.sampling.max_new_tokens,
-                    "temperature": r.sampling.temperature, "top_p": r.sampling.top_p,
+                    "model": model, "messages": history, **request_fields(self.sampling),
                     "seed": (r.sampling.seed + int(c.sha[:8], 16)) % 2**31, "return_token_ids": True, **kw,
                 }
                 resp = await post_with_retries(client, f"{self.base}/v1/chat/completions", body, retries)
@@ -347,11 +358,12 @@ def run_capture(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
         if recipe.capture.backend == "transformers":
             _capture_shards(recipe, stage, idx, n, todo, lambda: TransformersBackend(recipe), totals, index)
         else:
-            from eagle_jobs.vllm_server import vllm_endpoint
+            from eagle_jobs.vllm_server import server_log, vllm_endpoint
 
             needs_server = any(index.rows_for(c.sha) is None for _k, chunk in todo for c in chunk)
             if needs_server:
-                with vllm_endpoint(recipe.capture.vllm, recipe.verifier, serve_args(recipe)) as base:
+                with vllm_endpoint(recipe.capture.vllm, recipe.verifier, serve_args(recipe),
+                                   log=server_log(run_id, f"capture-{idx}")) as base:
                     _capture_shards(recipe, stage, idx, n, todo, lambda: VllmBackend(recipe, base), totals, index)
             else:
                 _capture_shards(recipe, stage, idx, n, todo, lambda: None, totals, index)
@@ -377,6 +389,7 @@ def _reused_rows(index, c: Conversation) -> list[dict] | None:
 def _capture_shards(recipe, stage: Stage, idx, n, todo, make_backend, totals: ShardStats, index) -> None:
     from eagle_jobs.reuse import capture_digest
 
+    sampling = effective(recipe)
     with stage_progress("capture", sum(len(c) for _, c in todo), "conversations") as advance:
         def commit(k: int, chunk: list[Conversation], rows: list[dict], stats: ShardStats) -> None:
             advance(len(chunk), 0)
@@ -390,6 +403,7 @@ def _capture_shards(recipe, stage: Stage, idx, n, todo, make_backend, totals: Sh
                 "skipped_too_long": stats.skipped, "reused_conversations": stats.reused,
                 "settings_digest": capture_digest(recipe),
                 "verifier": recipe.verifier.model, "backend": recipe.capture.backend,
+                "sampling": sampling,  # the effective parameters, the same on either backend
             })
             console.print(f"  committed {name}: {len(chunk)} conversations, {len(rows)} rows, {tokens:,} tokens",
                           soft_wrap=True, markup=False, highlight=False)

@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import statistics
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 from eagle_jobs.committed import EVALUATE, download_final, eval_dir, extraction_info, train_dir
-from eagle_jobs.errors import BadInput
+from eagle_jobs.errors import BadInput, Unavailable
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.prompts import load_prompts
 from eagle_jobs.recipe import PromptSpec, Recipe
@@ -309,22 +311,39 @@ def evaluate_vllm(recipe: Recipe, draft_dir: Path, prompts: list[list[dict]]) ->
     return evaluate_vllm_sets(recipe, draft_dir, {"prompts": prompts})["prompts"]
 
 
-def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict]]]) -> dict[str, dict]:
-    """One server for every set; each set's τ from the /metrics counters read before and after it."""
+def chat_body(recipe: Recipe, model: str, msgs: list[dict]) -> dict:
+    """One evaluation request: greedy, the recipe's chat template arguments, max_new_tokens."""
+    kw = recipe.chat.template_kwargs()
+    return {"model": model, "messages": msgs, "max_tokens": recipe.evaluate.max_new_tokens,
+            "temperature": 0.0, **({"chat_template_kwargs": kw} if kw else {})}
+
+
+def served_model(base: str) -> str:
+    import httpx
+
+    return httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict]]],
+                       timed: bool = False) -> dict[str, dict]:
+    """One server for every set; each set's τ from the /metrics counters read before and after it.
+    timed: first time each set at each concurrency level (measure_speed), as out[set]["speed"]."""
     import httpx
 
     from eagle_jobs.vllm_server import vllm_endpoint
 
     k = recipe.evaluate.num_speculative_tokens
-    out = {}
+    out: dict[str, dict] = {}
     with vllm_endpoint(recipe.evaluate.vllm, recipe.verifier, serve_args(recipe, draft_dir)) as base:
-        model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
-        kw = recipe.chat.template_kwargs()
+        model = served_model(base)
+        # timed before the τ pass, so that neither this server nor the one without a draft has seen the
+        # timed prompts before (vLLM's prefix cache would shorten their prefill on one side only)
+        started = time.perf_counter()
+        speed = measure_speed(recipe, base, model, sets, "with the draft") if timed else {}
+        speed_wall_s = time.perf_counter() - started
 
         def complete(msgs, c):
-            body = {"model": model, "messages": msgs, "max_tokens": recipe.evaluate.max_new_tokens,
-                    "temperature": 0.0, **({"chat_template_kwargs": kw} if kw else {})}
-            r = c.post(f"{base}/v1/chat/completions", json=body)
+            r = c.post(f"{base}/v1/chat/completions", json=chat_body(recipe, model, msgs))
             r.raise_for_status()
             return r.json()["usage"]["completion_tokens"]
 
@@ -345,8 +364,98 @@ def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[lis
             per_pos = [(after["per_pos"].get(i, 0) - before["per_pos"].get(i, 0)) / drafts if drafts else 0.0
                        for i in range(k)]
             out[name] = {"acceptance_length": 1 + accepted / drafts if drafts else 1.0, "per_position_acceptance": per_pos,
-                         "rounds": int(drafts), "tokens_generated": tokens, "outputs": []}
+                         "rounds": int(drafts), "tokens_generated": tokens, "outputs": [], "speed": speed.get(name),
+                         "speed_wall_s": speed_wall_s}
     return out
+
+
+# -- speed: output tokens per second with the draft over without it -------------------------------
+WARM_UP = [{"role": "user", "content": "Count from one to twenty in words, one number per line."}]
+
+
+def stream_chat(client, base: str, body: dict) -> tuple[int, float]:
+    """One streamed chat request: (output tokens, seconds to its first chunk).
+
+    vLLM sends a request's first chunk (its role) when the engine returns the request's first output,
+    i.e. after prefill and the first token (OpenAIServingChat.chat_completion_stream_generator,
+    `first_iteration`, vllm/entrypoints/openai/chat_completion/serving.py); the token count is the
+    usage chunk that stream_options.include_usage adds at the end."""
+    start, ttft, tokens = time.perf_counter(), None, None
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise Unavailable(f"{base}/v1/chat/completions: HTTP {r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                raise Unavailable(f"{base}/v1/chat/completions: {chunk['error']}")
+            if ttft is None and chunk.get("choices"):
+                ttft = time.perf_counter() - start
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    if tokens is None or ttft is None:
+        raise Unavailable(f"{base}/v1/chat/completions: the stream ended without a token or its usage")
+    return tokens, ttft
+
+
+def timed_pass(recipe: Recipe, base: str, bodies: list[dict], concurrency: int) -> dict:
+    """`concurrency` requests in flight until every body is answered (each worker sends its next request
+    as its last one ends). Output tokens per second over the pass's wall time, and each request's TTFT."""
+    import httpx
+
+    timeout = httpx.Timeout(recipe.evaluate.vllm.request_timeout_s, connect=30)
+    with httpx.Client(timeout=timeout, limits=httpx.Limits(max_connections=concurrency)) as c, \
+            ThreadPoolExecutor(concurrency) as pool:
+        start = time.perf_counter()
+        answers = list(pool.map(lambda b: stream_chat(c, base, b), bodies))
+        seconds = time.perf_counter() - start
+    tokens, ttft = sum(a[0] for a in answers), sorted(a[1] for a in answers)
+    return {"requests": len(bodies), "output_tokens": tokens, "seconds": seconds,
+            "output_tokens_per_s": tokens / seconds, "ttft_s_mean": sum(ttft) / len(ttft),
+            "ttft_s_p50": statistics.median(ttft), "ttft_s_max": ttft[-1]}
+
+
+def measure_speed(recipe: Recipe, base: str, model: str, sets: dict[str, list[list[dict]]],
+                  label: str) -> dict[str, dict[int, dict]]:
+    """Every set at every evaluate.concurrency_levels, after a warm-up that is not counted. Each level
+    takes the set's next prompts (distinct while the set lasts), so no level finds its prompts cached."""
+    ev = recipe.evaluate
+    top = max(ev.concurrency_levels)
+    timed_pass(recipe, base, [chat_body(recipe, model, WARM_UP)] * top, top)  # one-off first-request costs
+    out: dict[str, dict[int, dict]] = {}
+    for name, prompts in sets.items():
+        offset, out[name] = 0, {}
+        for level in ev.concurrency_levels:
+            n = ev.speedup_requests_at(level)
+            bodies = [chat_body(recipe, model, prompts[(offset + i) % len(prompts)]) for i in range(n)]
+            offset += n
+            t = out[name][level] = timed_pass(recipe, base, bodies, level)
+            console.print(f"  speed {label}: {name}, concurrency {level}: {n} requests, {t['output_tokens']} tokens "
+                          f"in {t['seconds']:.1f} s = {t['output_tokens_per_s']:.1f} tokens/s, "
+                          f"TTFT {t['ttft_s_mean']:.2f} s", soft_wrap=True, markup=False, highlight=False)
+    return out
+
+
+def speed_without_draft(recipe: Recipe, sets: dict[str, list[list[dict]]]) -> dict[str, dict[int, dict]]:
+    """The same timed passes on a server with the same serve_args and no --speculative-config. A second
+    process: vLLM 0.32 fixes speculative decoding per engine (VllmConfig.speculative_config, built once
+    from --speculative-config) and has no request field or batch-size rule that turns it off."""
+    from eagle_jobs.vllm_server import vllm_endpoint
+
+    with vllm_endpoint(recipe.evaluate.vllm, recipe.verifier, []) as base:
+        return measure_speed(recipe, base, served_model(base), sets, "without a draft")
+
+
+def speedup_table(with_draft: dict[int, dict] | None, without: dict[int, dict] | None, recipe: Recipe) -> dict | None:
+    """One set's speed per concurrency level: with and without the draft, and their ratio."""
+    if not with_draft or not without:
+        return None
+    levels = [{"concurrency": lv, "requests": w["requests"], "with_draft": w, "without_draft": without[lv],
+               "speedup": w["output_tokens_per_s"] / without[lv]["output_tokens_per_s"]}
+              for lv, w in with_draft.items()]
+    return {"max_tokens": recipe.evaluate.max_new_tokens, "levels": levels}
 
 
 def teacher_forced_estimate(metrics: list[dict], k: int) -> float | None:
@@ -358,6 +467,41 @@ def teacher_forced_estimate(metrics: list[dict], k: int) -> float | None:
     accs = [last.get(f"full_acc_{i}_epoch") for i in range(k)]
     accs = [a for a in accs if a is not None]
     return 1 + sum(accs) if accs else None
+
+
+SPEED_NOTE = ("output tokens per second of streamed greedy chat requests with the draft over without it, each "
+              "concurrency level a closed loop of that many requests in flight, after an uncounted warm-up; the "
+              "server without the draft is started with the same serve_args and no --speculative-config")
+
+
+def measure_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict]]], work: Path):
+    """τ of the draft and of an untrained one per set, and the speedup per set where it can be measured:
+    (draft's results, untrained draft's results, {"sets": set -> speedup table, "note", "wall_s"})."""
+    import os
+
+    if recipe.evaluate.backend == "transformers":
+        res = {name: evaluate_transformers(recipe, draft_dir, m, untrained=False) for name, m in sets.items()}
+        base = {name: evaluate_transformers(recipe, draft_dir, m, untrained=True) for name, m in sets.items()}
+        return res, base, {"sets": {}, "wall_s": None, "note": "not measured: speed is a serving measure, taken on "
+                           "the vllm backend (the transformers loop runs one request at a time, unbatched)"}
+    # The baseline and the speed without a draft need servers of their own: possible when this stage
+    # starts vLLM itself, not when a sidecar serves the trained draft for the whole pod.
+    own = not (recipe.evaluate.vllm.endpoint or os.environ.get("EAGLE_JOBS_VLLM_ENDPOINT"))
+    res = evaluate_vllm_sets(recipe, draft_dir, sets, timed=own)
+    if not own:
+        return res, {}, {"sets": {}, "wall_s": None, "note": "not measured: the pod's vLLM sidecar serves only "
+                         "the trained draft, and a server without it cannot start beside it"}
+    from eagle_jobs.verifier import resolve_path
+
+    untrained = work / "untrained-draft"
+    load_draft(draft_dir, resolve_path(recipe.verifier, "embeddings"), untrained=True,
+               seed=recipe.train.seed).to(torch.bfloat16).save_pretrained(untrained)
+    base = evaluate_vllm_sets(recipe, untrained, sets)
+    started = time.perf_counter()
+    plain = speed_without_draft(recipe, sets)
+    wall = time.perf_counter() - started + next(iter(res.values()))["speed_wall_s"]
+    return res, base, {"sets": {name: speedup_table(res[name]["speed"], plain[name], recipe) for name in sets},
+                       "note": SPEED_NOTE, "wall_s": wall}
 
 
 def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None = None,
@@ -380,23 +524,7 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
     k = recipe.evaluate.num_speculative_tokens
     console.print(f"[bold]evaluate[/] k={k}, backend {recipe.evaluate.backend}: "
                   + ", ".join(f"{name} ({len(m)} prompts)" for name, m in sets.items()))
-    if recipe.evaluate.backend == "transformers":
-        res = {name: evaluate_transformers(recipe, draft_dir, m, untrained=False) for name, m in sets.items()}
-        base = {name: evaluate_transformers(recipe, draft_dir, m, untrained=True) for name, m in sets.items()}
-    else:
-        import os
-
-        res = evaluate_vllm_sets(recipe, draft_dir, sets)
-        base = {}
-        # The baseline needs a second server with the untrained draft: possible when this stage
-        # starts vLLM itself, not when a sidecar serves the trained draft for the whole pod.
-        if not (recipe.evaluate.vllm.endpoint or os.environ.get("EAGLE_JOBS_VLLM_ENDPOINT")):
-            from eagle_jobs.verifier import resolve_path
-
-            untrained = work / "untrained-draft"
-            load_draft(draft_dir, resolve_path(recipe.verifier, "embeddings"), untrained=True,
-                       seed=recipe.train.seed).to(torch.bfloat16).save_pretrained(untrained)
-            base = evaluate_vllm_sets(recipe, untrained, sets)
+    res, base, speed = measure_sets(recipe, draft_dir, sets, work)
     per_set = {name: {
         "acceptance_length": res[name]["acceptance_length"], "per_position_acceptance": res[name]["per_position_acceptance"],
         "num_prompts": len(m), "skipped_too_long": too_long[name],
@@ -407,6 +535,8 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
                    else recipe.evaluate.prompt_sets[name]),
         # what `promote` compares: drafts are ranked only on the same prompts
         "prompts_sha256": hashlib.sha256(json.dumps(m, sort_keys=True).encode()).hexdigest(),
+        # output tokens/s with the draft over without it, per concurrency level (None: not measured)
+        "speedup": speed["sets"].get(name),
     } for name, m in sets.items()}
     primary = next(iter(per_set))  # the held-out split when there is one
     p = per_set[primary]
@@ -419,6 +549,8 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
         "baseline_per_position_acceptance": p["baseline_per_position_acceptance"],
         "baseline_note": ("the same loop with an untrained draft (same shape, vocab mapping and verifier embeddings)"
                           if base else "not measured: the pod's vLLM sidecar serves only the trained draft"),
+        "speedup": p["speedup"], "speedup_note": speed["note"], "speedup_wall_s": speed["wall_s"],
+        "concurrency_levels": recipe.evaluate.concurrency_levels, "min_speedup": recipe.evaluate.min_speedup,
         "teacher_forced_estimate": teacher_forced_estimate(metrics, k),
         "teacher_forced_note": "1 + sum of training's last validation full_acc_i: an estimate, not a measurement",
         "backend": recipe.evaluate.backend, "prompts": primary if not prompts else str(prompts),
@@ -442,7 +574,9 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
     report["report_path"] = where
     for name, x in per_set.items():
         # no [brackets]: rich would read them as markup and print nothing of the set's name
+        sp = "; speedup " + ", ".join(f"{lv['speedup']:.2f}x at concurrency {lv['concurrency']}"
+                                      for lv in x["speedup"]["levels"]) if x["speedup"] else ""
         console.print(f"  {name}: tau = {x['acceptance_length']:.3f} on {x['num_prompts']} prompts (untrained draft: "
-                      f"{x['baseline_acceptance_length'] or float('nan'):.3f})", soft_wrap=True)
+                      f"{x['baseline_acceptance_length'] or float('nan'):.3f}){sp}", soft_wrap=True)
     console.print(f"  report: {where}")
     return report

@@ -117,7 +117,10 @@ def make_plan(recipe: Recipe) -> dict:
     staged_reads = hs if hs <= t.local_stage_bytes else hs * t.epochs
     val = recipe.prompts.validation
     n_val = int(val) if val >= 1 else int(round(convs * val))
-    eval_tokens = min(recipe.evaluate.num_prompts or n_val, n_val) * recipe.evaluate.max_new_tokens
+    ev = recipe.evaluate
+    eval_tokens = 2 * min(ev.num_prompts or n_val, n_val) * ev.max_new_tokens  # trained and untrained draft
+    if ev.backend == "vllm":  # the speed passes, with the draft and without (an upper bound on each)
+        eval_tokens += 2 * sum(ev.speedup_requests_at(c) for c in ev.concurrency_levels) * ev.max_new_tokens
     stages = {
         "capture": {"time_s": gens * gen_toks / tp.capture_tokens_per_s, "objects": 2 * capture_shards + 2,
                     "write_bytes": tokens * 8, "read_bytes": 0},
@@ -125,8 +128,8 @@ def make_plan(recipe: Recipe) -> dict:
                     "objects": 2 * extract_shards + 2, "write_bytes": hs, "read_bytes": tokens * 8},
         "train": {"time_s": gens * t.epochs / (tp.train_samples_per_s_per_gpu * gpus),
                   "objects": 2 * (t.epochs + 1) + 1, "write_bytes": ckpt * t.epochs, "read_bytes": staged_reads},
-        "evaluate": {"time_s": 2 * eval_tokens / tp.eval_tokens_per_s, "objects": 7, "write_bytes": 1e6,
-                     "read_bytes": params["total"] * 2},
+        "evaluate": {"time_s": eval_tokens / tp.eval_tokens_per_s, "objects": 8 if ev.backend == "vllm" else 7,
+                     "write_bytes": 1e6, "read_bytes": params["total"] * 2},
     }
     for name, st in stages.items():
         st["deadline_floor_s"] = deadline_floor_s(name, st["time_s"])

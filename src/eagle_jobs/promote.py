@@ -43,14 +43,41 @@ def _manifest_hashes(store: Store, run_id: str) -> dict[str, str]:
     return out
 
 
+def speedup_at_1(prompt_set: dict) -> float | None:
+    """A prompt set's measured speedup at concurrency 1 (report.json), or None where it was not measured."""
+    return next((lv["speedup"] for lv in (prompt_set.get("speedup") or {}).get("levels", [])
+                 if lv["concurrency"] == 1), None)
+
+
+def check_speedup(report: dict, run_id: str, min_speedup: float | None) -> None:
+    """With a threshold, every prompt set's speedup at concurrency 1 must reach it: a draft that is
+    accepted often but slows serving down is not what anyone deploys."""
+    if min_speedup is None:
+        return
+    sets = report.get("prompt_sets") or {}
+    missing = [n for n, x in sets.items() if speedup_at_1(x) is None]
+    if missing or not sets:
+        raise BadInput(f"promote: a speedup of at least {min_speedup:.2f}x at concurrency 1 is required, and run "
+                       f"'{run_id}' has none measured for {missing or 'any set'} ({report.get('speedup_note')}): "
+                       "evaluate on the vllm backend where the stage starts its servers, or drop the threshold")
+    slow = {n: sp for n, x in sets.items() if (sp := speedup_at_1(x)) < min_speedup}
+    if slow:
+        raise EagleJobsError("promote: not promoted: " + "; ".join(
+            f"speedup[{n}] {sp:.2f}x at concurrency 1 < min_speedup {min_speedup:.2f}x" for n, sp in slow.items()),
+            ExitCode.NOT_BETTER)
+
+
 def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
-            image_digests: dict[str, str] | None = None) -> dict:
+            image_digests: dict[str, str] | None = None, min_speedup: float | None = None) -> dict:
+    """min_speedup: the threshold at concurrency 1; None takes the one evaluate recorded from the recipe
+    (evaluate.min_speedup), which may be None too (no rule)."""
     train, ev = Stage(store, run_id, "train"), Stage(store, run_id, "eval")
     final, report_m = train.manifest("final"), ev.manifest("report")
     if final is None or report_m is None:
         raise BadInput(f"promote: run '{run_id}' has no committed final checkpoint and evaluation report in {store.uri}")
     report = json.loads(ev.read("report.json", report_m["files"]["report.json"]))
     tau = float(report["acceptance_length"])
+    check_speedup(report, run_id, min_speedup if min_speedup is not None else report.get("min_speedup"))
     dest = Store.open(dest_uri)
     dest.check()
     try:
@@ -90,6 +117,7 @@ def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
         "acceptance_length": tau, "per_position_acceptance": report["per_position_acceptance"],
         "prompts_sha256": report.get("prompts_sha256"), "report": dest.url(f"{prefix}/eval/report.md"),
         "prompt_sets": {n: x["acceptance_length"] for n, x in sets.items()},
+        "speedup_at_concurrency_1": {n: speedup_at_1(x) for n, x in sets.items()},
         "source": store.url(train.key("data/final")), "promoted_at": time.time(),
         "previous": current["run_id"] if current else None,
     }
@@ -112,16 +140,19 @@ def report_summary(store: Store, run_id: str) -> str:
         return f"### {run_id}\n\nno evaluation report yet\n"
     rep = json.loads(ev.read("report.json", m["files"]["report.json"]))
     lines = [f"### {run_id}", "", f"k = {rep['num_speculative_tokens']}; report: {store.url(ev.key('data/report.md'))}", "",
-             "| prompt set | prompts | τ | untrained | per-position acceptance |", "|---|---|---|---|---|"]
+             "| prompt set | prompts | τ | untrained | per-position acceptance | speedup at concurrency 1 |",
+             "|---|---|---|---|---|---|"]
     for name, x in (rep.get("prompt_sets") or {"prompts": rep}).items():
-        base = x.get("baseline_acceptance_length")
+        base, sp = x.get("baseline_acceptance_length"), speedup_at_1(x)
         lines.append(f"| {name} | {x['num_prompts']} | {x['acceptance_length']:.3f} | "
                      f"{'-' if base is None else f'{base:.3f}'} | "
-                     f"{' / '.join(f'{a:.2f}' for a in x['per_position_acceptance'])} |")
+                     f"{' / '.join(f'{a:.2f}' for a in x['per_position_acceptance'])} | "
+                     f"{'-' if sp is None else f'{sp:.2f}x'} |")
     return "\n".join(lines) + "\n"
 
 
-def reconcile(store: Store, dest_uri: str, prefix: str = "", tolerance: float = 0.01) -> list[dict]:
+def reconcile(store: Store, dest_uri: str, prefix: str = "", tolerance: float = 0.01,
+              min_speedup: float | None = None) -> list[dict]:
     """Decide, once, every run whose evaluation is complete: promote it if it is at least as good.
 
     CI submits a run and returns (a GitHub-hosted job dies at 6 hours; a Kimi-K2.5 run takes days);
@@ -139,7 +170,7 @@ def reconcile(store: Store, dest_uri: str, prefix: str = "", tolerance: float = 
         if dest.exists(f"decisions/{run_id}.json"):
             continue
         try:
-            lineage = promote(store, run_id, dest_uri, tolerance)
+            lineage = promote(store, run_id, dest_uri, tolerance, min_speedup=min_speedup)
             decision = {"run_id": run_id, "promoted": True, "why": "at least as good on every shared prompt set",
                         "lineage": dest.url(f"versions/{run_id}/lineage.json")}
         except EagleJobsError as e:  # not better (9) or not comparable (3): decided, not retried

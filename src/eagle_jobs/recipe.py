@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle_jobs.errors import BadInput
 
@@ -271,6 +271,9 @@ class TrainSpec(Section):
     local_stage_bytes: int = Field(default=8 * 1024**3, gt=0)  # bounded local staging
     seed: int = 0
     log_freq: int = Field(default=1, gt=0)
+    # A step checkpoint committed to the store this often (a float: 0.5 is 30 s), so an eviction or
+    # a kill costs at most this much training; None: epoch checkpoints (and the SIGTERM save) only.
+    checkpoint_every_minutes: float | None = Field(default=30.0, gt=0)
 
     @model_validator(mode="after")
     def _muon_only_with_muon(self) -> "TrainSpec":
@@ -292,12 +295,40 @@ class EvaluateSpec(Section):
     # More sets τ is measured on, each reported on its own beside the held-out validation split:
     # name -> any prompt source (pypi://humaneval, a held-out file, s3://..., hf://...).
     prompt_sets: dict[str, str] = Field(default_factory=dict)
+    # Speed (vllm backend, servers started here): each set is timed, warm and streamed, at each of these
+    # concurrencies with the draft and on a server without --speculative-config (same serve_args).
+    concurrency_levels: list[int] = Field(default_factory=lambda: [1, 8], min_length=1)
+    # Requests timed per set and level (at least twice the level, so the level runs full most of the time).
+    speedup_requests: int = Field(default=8, gt=0)
+    # promote refuses a draft whose speedup at concurrency 1 is below this on any prompt set (None: no rule).
+    min_speedup: float | None = Field(default=None, gt=0)
     vllm: VllmServerSpec = VllmServerSpec()
+
+    @model_validator(mode="after")
+    def _levels(self) -> "EvaluateSpec":
+        lv = self.concurrency_levels
+        if any(c <= 0 for c in lv) or any(b <= a for a, b in zip(lv, lv[1:])):
+            raise ValueError(f"evaluate.concurrency_levels must be positive and strictly ascending, got {lv}")
+        if self.min_speedup is not None and 1 not in lv:
+            raise ValueError("evaluate.min_speedup is a speedup at concurrency 1: add 1 to evaluate.concurrency_levels")
+        return self
+
+    def speedup_requests_at(self, level: int) -> int:
+        return max(self.speedup_requests, 2 * level)
 
 
 class StoreSpec(Section):
     uri: str = "file://./store"
     run_id: str = "default"
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, v: str) -> str:
+        from eagle_jobs.runid import run_id_problem  # the one rule (eagle_jobs/runid.py)
+
+        if problem := run_id_problem(v):
+            raise ValueError(f"run id {v!r} {problem}")
+        return v
 
 
 class Throughputs(Section):
@@ -400,8 +431,10 @@ class Recipe(Section):
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     def train_digest(self) -> str:
-        """What a training checkpoint depends on: resuming under another value would be wrong."""
-        return self.digest(("verifier", "aux_layer_ids", "draft", "train"))
+        """What a training checkpoint depends on: resuming under another value would be wrong. Not the
+        step checkpoint interval: an operator may shorten it on a run that keeps being preempted."""
+        same = self.model_copy(update={"train": self.train.model_copy(update={"checkpoint_every_minutes": None})})
+        return same.digest(("verifier", "aux_layer_ids", "draft", "train"))
 
 
 def _loc(err: dict) -> str:

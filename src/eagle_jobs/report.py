@@ -80,6 +80,9 @@ def write_report(report: dict, metrics: list[dict]) -> dict[str, bytes]:
     files["tau.png"] = _png(fig)
     plt.close(fig)
 
+    speed_png = _speedup_png(report)
+    if speed_png is not None:
+        files["speedup.png"] = speed_png
     base = report.get("baseline_acceptance_length")
     tf = report.get("teacher_forced_estimate")
     per = ", ".join(f"{p:.2f}" for p in report["per_position_acceptance"])
@@ -97,6 +100,8 @@ def write_report(report: dict, metrics: list[dict]) -> dict[str, bytes]:
           if (sel := (report.get("train") or {}).get("selection")) else []), "",
         "tau = tokens per verifier forward, bonus token included (vLLM's 1 + accepted/drafts).", "",
         *_per_set_table(report),
+        *_speedup_table(report),
+        *(["![speedup against concurrency](speedup.png)", ""] if speed_png is not None else []),
         "![training](training.png)", "", "![acceptance by position](acceptance.png)", "", "![tau](tau.png)", "",
     ]
     files["report.md"] = "\n".join(md).encode()
@@ -118,3 +123,52 @@ def _per_set_table(report: dict) -> list[str]:
                     f"{f'{base:.3f}' if base is not None else 'not run'} | {per} |")
     return [*rows, ""]
 
+
+
+def _speedup_table(report: dict) -> list[str]:
+    """Output tokens per second with the draft over without it, per set and concurrency, with TTFT."""
+    sets = {n: x["speedup"] for n, x in (report.get("prompt_sets") or {}).items() if x.get("speedup")}
+    if not sets:
+        return ["## Speedup", "", f"{report.get('speedup_note') or 'not measured'}", ""]
+    how = (f"{report['speedup_note']}; at most {next(iter(sets.values()))['max_tokens']} tokens per request; "
+           f"{report['speedup_wall_s']:.0f} s of this evaluation, server start included.")
+    head = ("| set | concurrency | requests | tokens/s with draft | tokens/s without | speedup | "
+            "TTFT with (mean / p50) | TTFT without (mean / p50) |")
+    rows = ["## Speedup", "", how, "", head, "|---|---|---|---|---|---|---|---|"]
+    for name, sp in sets.items():
+        for lv in sp["levels"]:
+            w, wo = lv["with_draft"], lv["without_draft"]
+            rows.append(f"| {name} | {lv['concurrency']} | {lv['requests']} | {w['output_tokens_per_s']:.1f} | "
+                        f"{wo['output_tokens_per_s']:.1f} | **{lv['speedup']:.2f}x** | "
+                        f"{w['ttft_s_mean']:.3f} / {w['ttft_s_p50']:.3f} s | {wo['ttft_s_mean']:.3f} / {wo['ttft_s_p50']:.3f} s |")
+    if report.get("min_speedup") is not None:
+        rows += ["", f"promote requires a speedup of at least {report['min_speedup']:.2f}x at concurrency 1 on every set."]
+    return [*rows, ""]
+
+
+def _speedup_png(report: dict) -> bytes | None:
+    """Speedup against concurrency, one line per prompt set; 1.0 is where the draft stops paying."""
+    sets = {n: x["speedup"] for n, x in (report.get("prompt_sets") or {}).items() if x.get("speedup")}
+    if not sets:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    levels = sorted({lv["concurrency"] for sp in sets.values() for lv in sp["levels"]})
+    for name, sp in sets.items():
+        xs, ys = [lv["concurrency"] for lv in sp["levels"]], [lv["speedup"] for lv in sp["levels"]]
+        ax.plot(xs, ys, marker="o", label=name)
+        for x, y in zip(xs, ys):
+            ax.annotate(f"{y:.2f}x", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    ax.axhline(1.0, color="black", lw=0.8, ls="--", label="no draft")
+    top = max(1.2, max(lv["speedup"] for sp in sets.values() for lv in sp["levels"]) * 1.15)
+    ax.set_xscale("log", base=2)
+    ax.set_xlim(levels[0] / 1.5, levels[-1] * 1.5)
+    ax.xaxis.set_minor_locator(plt.NullLocator())
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set(title="speedup: output tokens/s with the draft over without", xlabel="concurrent requests",
+           ylabel="speedup", ylim=(0, top))
+    ax.legend(fontsize=8)
+    data = _png(fig)
+    plt.close(fig)
+    return data
