@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from eagle_jobs.errors import BadInput
 
@@ -271,9 +271,6 @@ class TrainSpec(Section):
     local_stage_bytes: int = Field(default=8 * 1024**3, gt=0)  # bounded local staging
     seed: int = 0
     log_freq: int = Field(default=1, gt=0)
-    # A step checkpoint committed to the store this often (a float: 0.5 is 30 s), so an eviction or
-    # a kill costs at most this much training; None: epoch checkpoints (and the SIGTERM save) only.
-    checkpoint_every_minutes: float | None = Field(default=30.0, gt=0)
 
     @model_validator(mode="after")
     def _muon_only_with_muon(self) -> "TrainSpec":
@@ -320,15 +317,6 @@ class EvaluateSpec(Section):
 class StoreSpec(Section):
     uri: str = "file://./store"
     run_id: str = "default"
-
-    @field_validator("run_id")
-    @classmethod
-    def _run_id(cls, v: str) -> str:
-        from eagle_jobs.runid import run_id_problem  # the one rule (eagle_jobs/runid.py)
-
-        if problem := run_id_problem(v):
-            raise ValueError(f"run id {v!r} {problem}")
-        return v
 
 
 class Throughputs(Section):
@@ -431,10 +419,8 @@ class Recipe(Section):
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     def train_digest(self) -> str:
-        """What a training checkpoint depends on: resuming under another value would be wrong. Not the
-        step checkpoint interval: an operator may shorten it on a run that keeps being preempted."""
-        same = self.model_copy(update={"train": self.train.model_copy(update={"checkpoint_every_minutes": None})})
-        return same.digest(("verifier", "aux_layer_ids", "draft", "train"))
+        """What a training checkpoint depends on: resuming under another value would be wrong."""
+        return self.digest(("verifier", "aux_layer_ids", "draft", "train"))
 
 
 def _loc(err: dict) -> str:
