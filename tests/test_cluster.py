@@ -40,7 +40,8 @@ def kube(tmp_path):
 COLLECTIONS = {"Namespace": "/api/v1/namespaces", "ServiceAccount": f"/api/v1/namespaces/{NS}/serviceaccounts",
                "Role": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles",
                "RoleBinding": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/rolebindings",
-               "NetworkPolicy": f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies"}
+               "NetworkPolicy": f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies",
+               "PriorityClass": "/apis/scheduling.k8s.io/v1/priorityclasses"}
 
 
 def admin_setup(fake) -> None:

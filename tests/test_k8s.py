@@ -339,10 +339,12 @@ def test_cluster_setup_holds_what_runs_share(shared_rendered):
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
     assert kinds == {("Namespace", "eagle-jobs"), ("ServiceAccount", "eagle-jobs-worker"),
                      ("ServiceAccount", "eagle-jobs-submitter"), ("Role", "eagle-jobs-submitter"),
-                     ("RoleBinding", "eagle-jobs-submitter"), ("NetworkPolicy", "eagle-jobs-vllm-no-ingress")}
+                     ("RoleBinding", "eagle-jobs-submitter"), ("NetworkPolicy", "eagle-jobs-vllm-no-ingress"),
+                     ("PriorityClass", "eagle-jobs-preemptible")}
     ns = next(d for d in docs if d["kind"] == "Namespace")
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
-    assert all(d["metadata"].get("namespace") == "eagle-jobs" for d in docs if d["kind"] != "Namespace")
+    cluster_scoped = {"Namespace", "PriorityClass"}
+    assert all(d["metadata"].get("namespace") == "eagle-jobs" for d in docs if d["kind"] not in cluster_scoped)
     sa = next(d for d in docs if d["metadata"]["name"] == "eagle-jobs-worker")
     assert sa["automountServiceAccountToken"] is False
     (minio,) = [d for d in shared_rendered["dev-services"] if d["kind"] == "Deployment"]

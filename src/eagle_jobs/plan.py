@@ -97,6 +97,17 @@ def deadline_floor_s(stage: str, time_s: float) -> int:
     return math.ceil(DEADLINE_SLOWDOWN * time_s + DEADLINE_WAIT_S + (DEADLINE_LOAD_S if stage in VLLM_STAGES else 0))
 
 
+# One SIGTERM checkpoint save (docs/OPERATIONS.md#preemption), at speeds measured on a 2-vCPU VM with a
+# virtual disk, so on the slow side: speculators' local write (safetensors + torch.save, then sync) at
+# 205 MiB/s, export_checkpoint_dir (the optimizer state re-read into safetensors) at 345 MiB/s, then the
+# upload at the recipe's plan.store_bytes_per_s.
+SAVE_WRITE_BPS, SAVE_EXPORT_BPS = 205 * 2**20, 345 * 2**20
+
+
+def checkpoint_save_s(nbytes: float, store_bytes_per_s: float) -> float:
+    return nbytes / SAVE_WRITE_BPS + nbytes / SAVE_EXPORT_BPS + nbytes / store_bytes_per_s
+
+
 def make_plan(recipe: Recipe) -> dict:
     tcfg = _verifier_text_config(recipe)
     shape = resolve_shape(recipe, tcfg)
@@ -136,6 +147,7 @@ def make_plan(recipe: Recipe) -> dict:
     return {"conversations": convs, "samples": gens, "tokens": tokens, "tokens_per_sample": seq,
             "hidden_state_bytes": {"bfloat16": hs_bf16, "fp8": hs_fp8}, "stored_layers": n_layers,
             "draft_shape": shape.describe(), "draft_parameters": params, "gpus_for_training": gpus,
+            "train_checkpoint": {"bytes": ckpt, "save_s": checkpoint_save_s(ckpt, tp.store_bytes_per_s)},
             "stages": stages, "total_time_s": sum(s["time_s"] for s in stages.values()),
             "total_objects": sum(s["objects"] for s in stages.values())}
 
@@ -156,6 +168,9 @@ def print_plan(recipe: Recipe, store=None, run_id: str | None = None) -> dict:
     console.print(f"  hidden states: {_human(p['hidden_state_bytes']['bfloat16'])} bf16, "
                   f"{_human(p['hidden_state_bytes']['fp8'])} fp8 ({p['stored_layers']} layers); "
                   f"draft {p['draft_parameters']['trainable']:,} trainable / {p['draft_parameters']['total']:,} total parameters")
+    ck = p["train_checkpoint"]
+    console.print(f"  a train checkpoint: {_human(ck['bytes'])}, about {ck['save_s']:.0f} s to save on SIGTERM "
+                  f"(within torchrun's shutdown timeout and the pod's terminationGracePeriodSeconds)")
     t = Table(title="per stage (stated throughputs: recipe `plan:`)")
     for c in ("stage", "time", "objects", "store writes", "store reads", "deadline >="):
         t.add_column(c)

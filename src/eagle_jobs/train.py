@@ -195,9 +195,10 @@ def prune_local_checkpoints(ckpt_dir: Path, committed: int) -> None:
 
 # -- the entry ------------------------------------------------------------------------
 # torchrun's own grace for its ranks after it is signalled (its default is 30 s): the
-# SIGTERM checkpoint save and its upload must fit, and all of it inside the pod's
-# terminationGracePeriodSeconds (120 s in k8s/base/pipeline.yaml).
-RANK_SHUTDOWN_TIMEOUT_S = 100
+# SIGTERM checkpoint save and its upload must fit (plan.make_plan's train_checkpoint: ~150 s
+# for a Kimi-K2.5 draft at a 100 MB/s store), and all of it inside the train pod's
+# terminationGracePeriodSeconds (300 s in k8s/base/pipeline.yaml; tests/test_k8s_preemption.py).
+RANK_SHUTDOWN_TIMEOUT_S = 270
 
 
 def launch_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | None, work: Path,
