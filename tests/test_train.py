@@ -223,13 +223,14 @@ def test_resume_after_sigterm_mid_training(tiny_recipe, tmp_path, monkeypatch):
     assert e.value.code == ExitCode.INTERRUPTED
     stage = Stage(st, "r", "train")
     ckpts = {m["shard"]: m for m in stage.manifests()}
-    assert set(ckpts) == {"checkpoint-0000", "checkpoint-0001"} and ckpts["checkpoint-0001"]["local_step"] == 2
-    files = ckpts["checkpoint-0001"]["files"]
-    assert "checkpoint-0001/optimizer_state_dict.state.safetensors" in files
+    assert set(ckpts) == {"checkpoint-0000", "checkpoint-0001-step-0000002"}  # a step checkpoint's name
+    assert ckpts["checkpoint-0001-step-0000002"]["local_step"] == 2
+    files = ckpts["checkpoint-0001-step-0000002"]["files"]
+    assert "checkpoint-0001-step-0000002/optimizer_state_dict.state.safetensors" in files
     assert not any(f.endswith(".pt") for f in files)  # nothing pickled goes to the store
     monkeypatch.setattr(compat.StoreTrainer, "train_epoch", orig)
     loaded = {}
-    real_load = compat._trainer.Trainer.setup_optimizer
+    real_load = compat.StoreTrainer.setup_optimizer  # ours: resumed at the global step (adaptation 11)
 
     def spy_opt(self):
         real_load(self)
@@ -237,7 +238,7 @@ def test_resume_after_sigterm_mid_training(tiny_recipe, tmp_path, monkeypatch):
         loaded["lr"] = self.schedulers[0].last_epoch if self.schedulers else None
         loaded["state"] = len(self.optimizers[0].state)
 
-    monkeypatch.setattr(compat._trainer.Trainer, "setup_optimizer", spy_opt)
+    monkeypatch.setattr(compat.StoreTrainer, "setup_optimizer", spy_opt)
     rec = run_train(recipe, st, "r", work_dir=tmp_path / "w2")  # a fresh pod: empty local disk
     assert loaded["state"] > 0 and loaded["lr"] > 0  # optimizer moments and scheduler position restored
     assert loaded["step"] == rec["steps_per_epoch"] + 2  # resumed mid-epoch 1 at step 2
@@ -434,7 +435,7 @@ def test_two_ranks_sigterm_commits_one_agreed_step_and_resumes(tiny_recipe, tmp_
     committed = stage.manifests()
     newest = max(committed, key=lambda m: (m["epoch"], m["local_step"]))
     assert not stage.is_complete() and newest["epoch"] < 5 and newest["local_step"] > 0, committed
-    name = f"checkpoint-{newest['epoch']:04d}"
+    name = newest["shard"]
     before = json.loads(stage.read(f"{name}/metrics.json", newest["files"][f"{name}/metrics.json"]))
     rec = run_train(recipe, st, "r", work_dir=tmp_path / "w2")  # a fresh pod
     assert rec["metrics"][: len(before)] == before  # the first pod's records are kept (checkpoint selection)

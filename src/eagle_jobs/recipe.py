@@ -271,6 +271,9 @@ class TrainSpec(Section):
     local_stage_bytes: int = Field(default=8 * 1024**3, gt=0)  # bounded local staging
     seed: int = 0
     log_freq: int = Field(default=1, gt=0)
+    # A step checkpoint committed to the store this often (a float: 0.5 is 30 s), so an eviction or
+    # a kill costs at most this much training; None: epoch checkpoints (and the SIGTERM save) only.
+    checkpoint_every_minutes: float | None = Field(default=30.0, gt=0)
 
     @model_validator(mode="after")
     def _muon_only_with_muon(self) -> "TrainSpec":
@@ -419,8 +422,10 @@ class Recipe(Section):
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     def train_digest(self) -> str:
-        """What a training checkpoint depends on: resuming under another value would be wrong."""
-        return self.digest(("verifier", "aux_layer_ids", "draft", "train"))
+        """What a training checkpoint depends on: resuming under another value would be wrong. Not the
+        step checkpoint interval: an operator may shorten it on a run that keeps being preempted."""
+        same = self.model_copy(update={"train": self.train.model_copy(update={"checkpoint_every_minutes": None})})
+        return same.digest(("verifier", "aux_layer_ids", "draft", "train"))
 
 
 def _loc(err: dict) -> str:

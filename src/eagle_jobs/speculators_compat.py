@@ -37,6 +37,21 @@ Plus three behaviours we add through a subclass, not a patch:
    binds train.loss.eta to speculators' own lk_hybrid function (fused or eager)
    in the loss config its get_trainer_kwargs resolved; every other term is left
    as speculators resolved it.
+10. step checkpoints on a clock: speculators saves mid-epoch only at fixed
+   fractions of an epoch (`checkpoint_freq` < 1), and an epoch of a Kimi-size
+   run is hours. With `checkpoint_every_s`, when that much time has passed on
+   rank 0 since its last commit, the ranks learn it (an all-reduce, as for the
+   stop flag of 6) and save after the same step, through speculators' own mid-epoch save
+   (`<epoch>/` with `training_state.json`'s local step), which its resume picks
+   up: the sampler's batch list for an epoch is a function of seed + epoch, and
+   `_prepare_resume_skip` slices off the steps already done (tests/test_resume.py).
+11. `Trainer.setup_optimizer` resumes its LR scheduler with
+   `last_epoch=previous_epoch`: an epoch index for a scheduler that steps once per
+   optimizer step, and a `KeyError: 'initial_lr'` when the restored optimizer
+   state has no `initial_lr` (speculators #1048, #900; torch's LRScheduler
+   requires it for last_epoch >= 0). We build optimizers and schedulers fresh
+   (last_epoch -1: initial_lr is the configured lr), then load the optimizer state
+   and put every scheduler at the restored global step, the unit it counts in.
 """
 
 from __future__ import annotations
@@ -201,11 +216,15 @@ FORCE_AFTER_S = 10.0  # repeats sooner are torchrun re-sending the same request
 class StoreTrainer(_trainer.Trainer):
     """speculators' Trainer + commit-to-store after each checkpoint + SIGTERM mid-epoch save."""
 
-    def __init__(self, *args, on_checkpoint=None, **kwargs):
+    _checkpoint_every_s: float | None = None  # 10: None, epoch checkpoints only
+    _saved_at, _saved_step = 0.0, (-1, -1)  # 10: when, and after which (epoch, step), the last save was
+
+    def __init__(self, *args, on_checkpoint=None, checkpoint_every_s: float | None = None, **kwargs):
         self._on_checkpoint = on_checkpoint
         self._cur_epoch, self._cur_step = 0, 0
         self.interrupted = False
         self._signalled_at: float | None = None
+        self._checkpoint_every_s = checkpoint_every_s
         super().__init__(*args, **kwargs)
         if not has_accelerator():
             self.device_type = "cpu"  # 4: autocast(cpu, fp32) is disabled by torch, silently below
@@ -213,10 +232,14 @@ class StoreTrainer(_trainer.Trainer):
     def train_epoch(self, epoch: int, *, step_callback=None):
         self._cur_epoch = epoch
         self._cur_step = getattr(self, "_resume_local_step", 0) if epoch == self.current_epoch else 0
+        sampler = getattr(self.train_loader, "batch_sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)  # the count below is this epoch's, not the previous one's
+        num_steps = len(self.train_loader)
         # 8: speculators' tqdm.rich bar prints nothing off a terminal (a pod's log): plain lines there
         ticker = None
         if self.rank == 0 and not console.is_terminal:
-            ticker = PlainTicker(f"train epoch {epoch}", len(self.train_loader), "steps")
+            ticker = PlainTicker(f"train epoch {epoch}", num_steps, "steps")
             ticker.done = self._cur_step
 
         def counted():
@@ -227,6 +250,8 @@ class StoreTrainer(_trainer.Trainer):
                 step_callback()
             if self._stop_agreed():  # 6
                 raise TrainingInterruptedError(f"signal, stopping after step {self._cur_step}")
+            if self._step_checkpoint_agreed() and self._cur_step < num_steps:  # 10 (the epoch's own follows)
+                self.maybe_save_checkpoint(epoch, local_step=self._cur_step)
 
         return super().train_epoch(epoch, step_callback=counted)
 
@@ -244,6 +269,7 @@ class StoreTrainer(_trainer.Trainer):
                     f"{signal.Signals(signum).name}: stopping at the end of this step to save a checkpoint")
 
         outer = {s: signal.signal(s, request) for s in (signal.SIGTERM, signal.SIGINT)}
+        self._saved_at = time.monotonic()  # 10: the interval counts training, not model loading
         try:
             with warnings.catch_warnings():
                 if not has_accelerator():  # 4: the fp32 autocast request is meant to be a no-op, and
@@ -256,21 +282,58 @@ class StoreTrainer(_trainer.Trainer):
                 signal.signal(s, h)
 
     def _stop_agreed(self) -> bool:
-        asked = self._signalled_at is not None
+        return self._any_rank(self._signalled_at is not None)
+
+    def _step_checkpoint_agreed(self) -> bool:
+        every = self._checkpoint_every_s
+        if every is None:  # the same recipe on every rank: no collective to agree on nothing
+            return False
+        # rank 0's clock, restarted when its commit is done: the interval is training time between commits
+        return self._any_rank(self.rank == 0 and time.monotonic() - self._saved_at >= every)
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank when true on any: the ranks stop (6) and save (10) after the same step,
+        or none does (speculators' saves are collectives)."""
         if not self.is_distributed:
-            return asked
+            return flag
         import torch.distributed as dist
 
-        flag = torch.tensor([1.0 if asked else 0.0], device=self.local_rank)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        t = torch.tensor([1.0 if flag else 0.0], device=self.local_rank)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     def maybe_save_checkpoint(self, epoch, local_step: int = 0):
         if epoch == "interrupted":  # 6
             self.interrupted = True
-            if self._cur_step == 0:
+            if self._cur_step == 0 or self._saved_step == (self._cur_epoch, self._cur_step):
                 return  # nothing new since the last committed checkpoint
             epoch, local_step = self._cur_epoch, self._cur_step
         super().maybe_save_checkpoint(epoch, local_step=local_step)
         if self._on_checkpoint is not None and self.rank == 0 and isinstance(epoch, int):
             self._on_checkpoint(epoch, local_step)  # 5
+        self._saved_at, self._saved_step = time.monotonic(), (epoch, local_step)  # 10
+
+    def setup_optimizer(self):
+        """speculators' optimizers and schedulers built fresh, then resumed at the global step (11)."""
+        resuming = self.resume_from_checkpoint and self.checkpointer.previous_epoch != -1
+        self.resume_from_checkpoint = False  # its resume path: last_epoch = an epoch index, KeyError
+        try:
+            super().setup_optimizer()
+        finally:
+            self.resume_from_checkpoint = self.config.resume_from_checkpoint
+        if resuming:
+            self.checkpointer.load_optimizer_state_dict(self.model, self.optimizers)
+            resume_schedulers(self.schedulers, self.global_step)
+
+
+def resume_schedulers(schedulers: list, global_step: int) -> None:
+    """Put each of speculators' schedulers (transformers' warmup schedules: LambdaLR, stepped once per
+    optimizer step) where an uninterrupted run's is after `global_step` steps, and its optimizer's
+    learning rate with it (11). base_lrs are the configured rates, from the fresh construction."""
+    for sched in schedulers:
+        if not isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
+            raise TypeError(f"cannot resume a {type(sched).__name__}: speculators 0.9.0 builds LambdaLR schedules")
+        lrs = [base * fn(global_step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
+        sched.last_epoch, sched._last_lr = global_step, lrs  # noqa: SLF001 - what step() would have left
+        for group, base, lr in zip(sched.optimizer.param_groups, sched.base_lrs, lrs, strict=True):
+            group["initial_lr"], group["lr"] = base, lr

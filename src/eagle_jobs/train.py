@@ -3,13 +3,15 @@
 Reads top to bottom: check the extraction against the recipe, resolve the draft
 shape, build the vocab mapping from loss-masked token counts, stage the shards,
 build the model and loaders, train (checkpoints committed to the store every
-epoch and on SIGTERM, resuming from the latest), export the final checkpoint.
+epoch, every train.checkpoint_every_minutes and on SIGTERM, resuming from the
+newest at its exact step), export the final checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -134,25 +136,42 @@ def committed_checkpoints(stage: Stage) -> list[dict]:
     return [m for m in stage.manifests() if m["shard"].startswith("checkpoint-")]
 
 
-def restore_latest(stage: Stage, local: Path, recipe_digest: str) -> int | None:
-    """Put the newest committed checkpoint where speculators' Trainer resumes from."""
+def checkpoint_name(epoch: int, local_step: int) -> str:
+    """checkpoint-<epoch> at an epoch's end (local_step 0, speculators' convention), and
+    checkpoint-<epoch>-step-<step> mid-epoch: a name is committed once, never rewritten."""
+    return f"checkpoint-{epoch:04d}" + (f"-step-{local_step:07d}" if local_step else "")
+
+
+def checkpoint_order(m: dict) -> tuple[int, float]:
+    """Older first: an epoch's end comes after every step of that epoch."""
+    return (m["epoch"], m["local_step"] or math.inf)
+
+
+def restore_latest(stage: Stage, local: Path, recipe_digest: str) -> dict | None:
+    """Put the newest committed checkpoint, epoch or step, where speculators' Trainer resumes from;
+    its manifest, or None."""
     ckpts = committed_checkpoints(stage)
     if not ckpts:
         return None
-    m = max(ckpts, key=lambda m: (m["epoch"], m["local_step"]))
+    m = max(ckpts, key=checkpoint_order)
     if m.get("recipe_digest") != recipe_digest:
         raise BadInput(f"run '{stage.run_id}' has checkpoints from another recipe (digest {m.get('recipe_digest')}, "
                        f"this one {recipe_digest}): use a new --run-id, or delete {stage.store.url(stage.prefix)}")
-    return restore_epoch(stage, local, m["epoch"])
+    restore_checkpoint(stage, local, m)
+    return m
 
 
-def restore_epoch(stage: Stage, local: Path, epoch: int) -> int:
+def restore_epoch(stage: Stage, local: Path, epoch: int) -> None:
+    """The end-of-epoch checkpoint of `epoch` back on local disk (the export's source)."""
+    restore_checkpoint(stage, local, next(m for m in committed_checkpoints(stage)
+                                          if m["epoch"] == epoch and not m["local_step"]))
+
+
+def restore_checkpoint(stage: Stage, local: Path, m: dict) -> None:
     from eagle_jobs.speculators_compat import import_checkpoint_dir
 
-    m = next(m for m in committed_checkpoints(stage) if m["epoch"] == epoch)
     objects = {f.split("/", 1)[1]: stage.read(f, info) for f, info in m["files"].items()}
-    import_checkpoint_dir(objects, local / str(epoch))
-    return epoch
+    import_checkpoint_dir(objects, local / str(m["epoch"]))
 
 
 def select_epoch(records: list[dict], k: int, last: int) -> dict:
@@ -176,13 +195,25 @@ def select_epoch(records: list[dict], k: int, last: int) -> dict:
             "per_epoch": {str(e): est[e] for e in sorted(est)}}
 
 
-def commit_checkpoint(stage: Stage, local: Path, epoch: int, local_step: int, extra: dict) -> None:
+def commit_checkpoint(stage: Stage, local: Path, epoch: int, local_step: int, extra: dict) -> dict:
+    """speculators' local `<epoch>/` directory as one shard of the store; its manifest."""
     from eagle_jobs.speculators_compat import export_checkpoint_dir
 
-    name = f"checkpoint-{epoch:04d}"
+    name = checkpoint_name(epoch, local_step)
     objects = {f"{name}/{k}": v for k, v in export_checkpoint_dir(local / str(epoch)).items()}
-    stage.commit_shard(name, objects, {"epoch": epoch, "local_step": local_step, **extra})
+    m = stage.commit_shard(name, objects, {"epoch": epoch, "local_step": local_step, **extra})
     console.print(f"  committed {name} (step {local_step or 'end'}) to {stage.store.url(stage.prefix)}")
+    return m
+
+
+def prune_step_checkpoints(stage: Stage, newest: dict) -> None:
+    """Step checkpoints older than `newest` (just committed, step or epoch) are superseded: each is
+    uncommitted (its manifest first, so no reader finds a manifest without its objects), then its
+    objects go. Epoch checkpoints stay: the export chooses among them."""
+    for m in committed_checkpoints(stage):
+        if m["local_step"] and checkpoint_order(m) < checkpoint_order(newest):
+            stage.store.delete(stage.key(f"manifests/{m['shard']}.json"))
+            stage.store.delete(stage.key(f"data/{m['shard']}"))
 
 
 def prune_local_checkpoints(ckpt_dir: Path, committed: int) -> None:
@@ -376,8 +407,9 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
         shutil.rmtree(ckpt_dir, ignore_errors=True)
         resumed = restore_latest(stage, ckpt_dir, recipe.train_digest())
         if resumed is not None:
-            console.print(f"  resuming from committed checkpoint of epoch {resumed}")
-    resumed_metrics = ckpt_dir / str(resumed) / "metrics.json"
+            console.print(f"  resuming from committed {resumed['shard']} (epoch {resumed['epoch']}, "
+                          f"step {resumed['local_step'] or 'end'})")
+    resumed_metrics = ckpt_dir / str(resumed["epoch"] if resumed else None) / "metrics.json"
     if is_distributed():
         import torch.distributed as dist
 
@@ -412,12 +444,15 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     def on_checkpoint(epoch: int, local_step: int) -> None:
         (ckpt_dir / str(epoch) / "train_config.json").write_text(json.dumps(record, indent=1))
         (ckpt_dir / str(epoch) / "metrics.json").write_text(json.dumps(recorder.records))
-        commit_checkpoint(stage, ckpt_dir, epoch, local_step, {"recipe_digest": recipe.train_digest()})
+        m = commit_checkpoint(stage, ckpt_dir, epoch, local_step, {"recipe_digest": recipe.train_digest()})
+        prune_step_checkpoints(stage, m)
         prune_local_checkpoints(ckpt_dir, epoch)
         if board is not None:
             upload_tensorboard(board, work / "tensorboard", stage)
 
-    trainer = compat.StoreTrainer(model, cfg, train_loader, val_loader, on_checkpoint=on_checkpoint)
+    every = recipe.train.checkpoint_every_minutes
+    trainer = compat.StoreTrainer(model, cfg, train_loader, val_loader, on_checkpoint=on_checkpoint,
+                                  checkpoint_every_s=every and every * 60)
     board = tensorboard_handler(work / "tensorboard") if get_rank() == 0 else None
     try:
         trainer.run_training()  # its CPU warning filters live in compat (adaptation 4)
