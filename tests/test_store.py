@@ -98,3 +98,14 @@ def test_cli_missing_bucket_one_line(moto_server, tmp_path):
     assert r.returncode == 4, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "absent-bucket" in lines[0]
+
+
+def test_a_key_written_by_another_process_after_a_listing_is_read(bucket):
+    """s3fs's listings cache answered reads from a stale listing: a key another writer committed after
+    this process listed the prefix raised FileNotFoundError (found in the step-checkpoint resume test)."""
+    reader, writer = Store.open(f"s3://{bucket}/runs"), Store.open(f"s3://{bucket}/runs")
+    writer.put("r/train/manifests/a.json", b"{}")
+    assert reader.list("r/train/manifests")  # the reader lists the prefix (and would cache it)
+    writer.put("r/train/manifests/b.json", b'{"b": 1}')
+    assert reader.get("r/train/manifests/b.json") == b'{"b": 1}'
+    assert reader.exists("r/train/manifests/b.json")

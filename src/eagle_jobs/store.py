@@ -89,8 +89,11 @@ class Store:
             region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
             client_kwargs = {k: v for k, v in {"endpoint_url": endpoint, "region_name": region}.items() if v}
             # Credentials come from the standard AWS_* variables (or the pod's role) via botocore.
+            # No listings cache: s3fs would answer a read of a key another process wrote after this
+            # one listed its prefix from the stale listing (FileNotFoundError), and stages read
+            # what other pods commit while they run.
             fs = fsspec.filesystem(
-                "s3", client_kwargs=client_kwargs, skip_instance_cache=True,
+                "s3", client_kwargs=client_kwargs, skip_instance_cache=True, use_listings_cache=False,
                 config_kwargs={"retries": {"max_attempts": 2, "mode": "standard"}},
             )
             root = rest.rstrip("/")
