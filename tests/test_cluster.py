@@ -41,7 +41,10 @@ COLLECTIONS = {"Namespace": "/api/v1/namespaces", "ServiceAccount": f"/api/v1/na
                "Role": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles",
                "RoleBinding": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/rolebindings",
                "NetworkPolicy": f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies",
-               "PriorityClass": "/apis/scheduling.k8s.io/v1/priorityclasses"}
+               "PriorityClass": "/apis/scheduling.k8s.io/v1/priorityclasses",
+               "ValidatingAdmissionPolicy": "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies",
+               "ValidatingAdmissionPolicyBinding":
+                   "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings"}
 
 
 def admin_setup(fake) -> None:

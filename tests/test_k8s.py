@@ -340,10 +340,12 @@ def test_cluster_setup_holds_what_runs_share(shared_rendered):
     assert kinds == {("Namespace", "eagle-jobs"), ("ServiceAccount", "eagle-jobs-worker"),
                      ("ServiceAccount", "eagle-jobs-submitter"), ("Role", "eagle-jobs-submitter"),
                      ("RoleBinding", "eagle-jobs-submitter"), ("NetworkPolicy", "eagle-jobs-vllm-no-ingress"),
-                     ("PriorityClass", "eagle-jobs-preemptible")}
+                     ("PriorityClass", "eagle-jobs-preemptible"),
+                     ("ValidatingAdmissionPolicy", "eagle-jobs-pinned-jobsets"),
+                     ("ValidatingAdmissionPolicyBinding", "eagle-jobs-pinned-jobsets")}
     ns = next(d for d in docs if d["kind"] == "Namespace")
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
-    cluster_scoped = {"Namespace", "PriorityClass"}
+    cluster_scoped = {"Namespace", "PriorityClass", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
     assert all(d["metadata"].get("namespace") == "eagle-jobs" for d in docs if d["kind"] not in cluster_scoped)
     sa = next(d for d in docs if d["metadata"]["name"] == "eagle-jobs-worker")
     assert sa["automountServiceAccountToken"] is False
