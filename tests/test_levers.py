@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import REPO, draft_and_batch, write_prompts
 
+from eagle_jobs import vllm_cpu
 from eagle_jobs.errors import BadInput, ExitCode
 from eagle_jobs.recipe import LossName, load_recipe
 
@@ -161,6 +162,7 @@ def trained_with_spy(recipe, tmp_path: Path, monkeypatch):
     return seen, download_final(st, "r", tmp_path / "final")
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("name", list(LEVER_SETS))
 def test_levers_reach_speculators_unchanged_and_the_export_passes_inspect(tiny_recipe, tmp_path, name,
                                                                           monkeypatch):
@@ -238,3 +240,51 @@ def test_inspect_refuses_norm_tensors_the_config_leaves_out(tiny_recipe, tmp_pat
         problems, _fields, _tensors = check(tmp_path / "ok", None)
         assert all(any(x in p for p in problems) for x in says) and all("\n" not in p for p in problems), problems
         assert run_inspect(str(tmp_path / "ok")) == ExitCode.INCOMPATIBLE
+
+
+# -- real vLLM serves the EAGLE-3.1 lever set's export, drafting what speculators' modules draft -----------
+@pytest.mark.vllm
+@pytest.mark.train
+@pytest.mark.skipif(not vllm_cpu.is_cpu_build(), reason="vllm-cpu installs on Linux x86-64 only")
+def test_real_vllm_serves_the_eagle31_export_as_speculators_drafts_it(tmp_path):
+    """The qwen3 layer, fc_norm, norm_output and norm_before_residual (and lk_hybrid + Muon, which leave no
+    trace in the checkpoint) on the embedded SmolLM2. vLLM's eagle3 loaders (qwen3_eagle3.py; the flags
+    from transformers_utils/configs/speculators/algos.py) build the draft from the exported config; had
+    one flag been dropped or read otherwise, its drafts, and so tau and the per-position acceptance from
+    /metrics, would differ from speculators' own modules in the transformers loop on the same prompts.
+    (The llama layer with norm_before_fc is served the same way in test_vllm_real.py.)"""
+    from test_vllm_real import CASES, make_recipe
+
+    from eagle_jobs.capture import run_capture
+    from eagle_jobs.committed import download_final
+    from eagle_jobs.evaluate import eval_prompts, evaluate_transformers, evaluate_vllm
+    from eagle_jobs.extract import run_extract
+    from eagle_jobs.inspect import run_inspect
+    from eagle_jobs.recipe import EMBEDDED_SMOLLM2, VerifierSpec
+    from eagle_jobs.store import Store
+    from eagle_jobs.train import run_train
+    from eagle_jobs.weights import resolve_path
+
+    prompts = tmp_path / "prompts.jsonl"
+    topics = ["the sea", "prime numbers", "a red fox", "photosynthesis", "the moon", "bread", "rivers", "music"]
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Tell me about {t}."}]}) + "\n"
+                               for t in topics))
+    # capture and extract on the transformers backends (test_vllm_real.py holds them equal to vLLM's)
+    recipe = make_recipe(Path(resolve_path(VerifierSpec(model=EMBEDDED_SMOLLM2))), tmp_path, prompts,
+                         CASES["smollm2"], chat={"reasoning_parser": None}, capture={"backend": "transformers"},
+                         extract={"backend": "transformers"}, **EAGLE31)
+    st = Store.open(recipe.store.uri)
+    run_capture(recipe, st, "r")
+    run_extract(recipe, st, "r")
+    run_train(recipe, st, "r", work_dir=tmp_path / "work")
+    draft = download_final(st, "r", tmp_path / "draft")
+    cfg = json.loads((draft / "config.json").read_text())
+    assert cfg["transformer_layer_config"]["model_type"] == "qwen3" and cfg["fc_norm"] and cfg["norm_output"]
+    assert run_inspect(str(draft)) == ExitCode.OK
+    msgs = eval_prompts(recipe, prompts)
+    real = evaluate_vllm(recipe, draft, msgs)
+    ours = evaluate_transformers(recipe, draft, msgs, untrained=False)
+    assert real["rounds"] > 0 and real["acceptance_length"] > 1.0  # it drafts, and some drafts are accepted
+    assert real["acceptance_length"] == pytest.approx(ours["acceptance_length"], abs=1e-9)
+    assert real["per_position_acceptance"] == pytest.approx(ours["per_position_acceptance"], abs=1e-9)
+    assert real["tokens_generated"] == ours["tokens_generated"]
