@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import typer
-
 from conftest import REPO
+
 from eagle_jobs.cli import app
 from eagle_jobs.errors import ExitCode
 
@@ -122,5 +122,114 @@ def test_every_exit_code_is_in_the_operations_table():
     import re
 
     doc = (REPO / "docs/OPERATIONS.md").read_text()
-    table = doc[doc.index("## Exit codes"):doc.index("## What failures look like")]
-    assert {int(c) for c in re.findall(r"^\| (\d+) \|", table, re.M)} == {int(c) for c in ExitCode}
+    table = doc[doc.index("## Exit codes"):]
+    table = table[:table.index("\n## ", 1)]
+    assert {int(c) for c in re.findall(r"^\| (\d+) \|", table, re.MULTILINE)} == {int(c) for c in ExitCode}
+
+
+# -- run ids that cannot escape the store (eagle_jobs/runid.py) --------------------------------------
+GOOD_IDS = ["demo", "kimi-k2.5", "kimi-k2.5-smoke", "ci-123", "A_b.c", "r" * 33, "7"]
+BAD_IDS = {"": "is empty", "../x": "path separator", "../../../x": "path separator", "a/b": "path separator",
+           "a\\b": "path separator", "..": "'..'", "a..b": "'..'", ".": "letters, digits", ".hidden": "letters, digits",
+           "x.": "letters, digits", "-x": "letters, digits", "a b": "letters, digits", "a\nb": "letters, digits",
+           "é": "letters, digits", "r" * 34: "too long"}
+
+
+@pytest.mark.parametrize("value", GOOD_IDS)
+def test_a_short_name_is_a_run_id_and_names_a_jobset_the_webhook_admits(value):
+    """JobSet's webhook (kubernetes-sigs/jobset pkg/webhooks/jobset_webhook.go, ValidateCreate, v0.12.0)
+    requires the longest pod name, <jobset>-<replicatedJob>-<jobIdx>-<podIdx>-<5 random>, to be an
+    RFC-1035 label (IsDNS1035Label: at most 63 characters); tests/test_k8s.py checks the rendered names."""
+    import re
+
+    from eagle_jobs import cluster
+    from eagle_jobs.runid import MAX_LENGTH, check_run_id, run_id_problem
+
+    assert run_id_problem(value) is None and check_run_id(value, "test") == value
+    assert MAX_LENGTH == cluster.MAX_JOBSET_NAME - len("eagle-jobs-")
+    name = cluster.jobset_name(value)
+    for label in (name, f"{name}-evaluate-0-0-abcde"):
+        assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", label) and len(label) <= 63, label
+
+
+@pytest.mark.parametrize("value", sorted(BAD_IDS))
+def test_a_bad_run_id_is_refused_in_one_line_by_the_validator_the_recipe_and_jobset_name(value, tmp_path):
+    from eagle_jobs import cluster
+    from eagle_jobs.errors import BadInput
+    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.runid import check_run_id, run_id_problem
+
+    assert BAD_IDS[value] in run_id_problem(value)
+    with pytest.raises(BadInput) as e:
+        check_run_id(value, "--run-id")
+    assert e.value.code == ExitCode.BAD_INPUT and "\n" not in str(e.value) and "(--run-id)" in str(e.value)
+    with pytest.raises(BadInput):
+        cluster.jobset_name(value)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml_recipe(tmp_path, value))
+    with pytest.raises(BadInput, match="key 'store.run_id'") as e:
+        load_recipe(recipe)
+    assert "\n" not in str(e.value)
+
+
+def yaml_recipe(tmp_path: Path, run_id: str | None = None, store: str | None = None) -> str:
+    import json
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    store_section = {**({"uri": store} if store else {}), **({"run_id": run_id} if run_id is not None else {})}
+    return json.dumps({"name": "x", "verifier": {"model": "m"}, "prompts": {"source": str(prompts)},
+                       "aux_layer_ids": [1], "store": store_section})
+
+
+RUN_ID_OPTION = ["capture", "extract", "train", "evaluate", "run", "plan", "compare", "serve-vllm"]
+RUN_ID_ARGUMENT = ["status", "watch", "logs", "promote"]
+
+
+def _store_is_untouched(store_uri: str, tmp_path: Path) -> None:
+    """Nothing under the store's root (a file:// root is not even created) and nothing beside it."""
+    from eagle_jobs.store import Store
+
+    if store_uri.startswith("file://"):
+        assert not (tmp_path / "store").exists() and not (tmp_path / "x").exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl", "r.yaml"]
+    else:
+        import boto3
+
+        bucket = store_uri.removeprefix("s3://").split("/")[0]
+        assert boto3.client("s3").list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0
+        assert Store.open(store_uri)  # the bucket is there: only the run id stopped the command
+
+
+@pytest.mark.parametrize("how", ["--run-id", "EAGLE_JOBS_RUN_ID", "store.run_id"])
+def test_a_bad_run_id_exits_3_before_anything_is_written(how, store_uri, tmp_path):
+    """The three ways a run id comes in, on file:// and on S3 (moto): nothing written under the store's
+    root or prefix, nor beside it where ../ would lead."""
+    bad = "../x"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml_recipe(tmp_path, bad if how == "store.run_id" else None, store_uri))
+    env = {**os.environ, **({"EAGLE_JOBS_RUN_ID": bad} if how == "EAGLE_JOBS_RUN_ID" else {})}
+    for command in ("capture", "run"):
+        args = [command, "--recipe", str(recipe), *(["--run-id", bad] if how == "--run-id" else [])]
+        out = run_cli(args, env=env, cwd=tmp_path)
+        line = one_line(out)
+        assert out.returncode == ExitCode.BAD_INPUT and "'../x'" in line and "path separator" in line
+        assert {"--run-id": "(--run-id)", "EAGLE_JOBS_RUN_ID": "($EAGLE_JOBS_RUN_ID)",
+                "store.run_id": "key 'store.run_id'"}[how] in line
+    _store_is_untouched(store_uri, tmp_path)
+
+
+@pytest.mark.parametrize("command", RUN_ID_OPTION + RUN_ID_ARGUMENT + ["submit"])
+def test_every_command_refuses_a_bad_run_id_in_one_line(command, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml_recipe(tmp_path, store=f"file://{tmp_path}/store"))
+    if command in RUN_ID_ARGUMENT:
+        args = [command, "a/../../b", *(["--to", f"file://{tmp_path}/drafts"] if command == "promote" else [])]
+    elif command == "submit":
+        args = [command, "--overlay", str(REPO / "k8s/overlays/dev"), "--run-id", "a/../../b"]
+    else:
+        args = [command, "--recipe", str(recipe), "--run-id", "a/../../b",
+                *(["--stage", "capture"] if command == "serve-vllm" else [])]
+    out = run_cli(args, cwd=tmp_path)
+    assert out.returncode == ExitCode.BAD_INPUT and "run id 'a/../../b'" in one_line(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl", "r.yaml"]

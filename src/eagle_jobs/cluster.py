@@ -45,6 +45,9 @@ MAX_JOBSET_NAME = 44
 
 
 def jobset_name(run_id: str) -> str:
+    from eagle_jobs.runid import check_run_id
+
+    check_run_id(run_id, "it names the JobSet")  # admitted run ids map onto RFC-1035 labels (runid.py)
     name = re.sub(r"[^a-z0-9-]+", "-", f"eagle-jobs-{run_id}".lower()).strip("-")
     if len(name) > MAX_JOBSET_NAME:
         raise BadInput(f"run id '{run_id}' is too long for a JobSet name "

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle_jobs.errors import BadInput
 
@@ -320,6 +320,15 @@ class EvaluateSpec(Section):
 class StoreSpec(Section):
     uri: str = "file://./store"
     run_id: str = "default"
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, v: str) -> str:
+        from eagle_jobs.runid import run_id_problem  # the one rule (eagle_jobs/runid.py)
+
+        if problem := run_id_problem(v):
+            raise ValueError(f"run id {v!r} {problem}")
+        return v
 
 
 class Throughputs(Section):
