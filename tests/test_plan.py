@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,14 @@ def test_plan_counts_the_parameters_of_the_draft_speculators_builds(tiny_recipe,
              "saved": sum(v.numel() for k, v in model.state_dict().items()
                           if v.is_floating_point() and k not in model._keys_to_ignore_on_save)}
     assert counted == built
+
+
+def test_cli_plan_json_is_the_plan():
+    from typer.testing import CliRunner
+
+    from eagle_jobs.cli import app
+
+    smoke = REPO / "jobs/kimi-k2.5-smoke.yaml"
+    out = CliRunner().invoke(app, ["plan", "--recipe", str(smoke), "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout) == json.loads(json.dumps(make_plan(load_recipe(smoke))))

@@ -136,19 +136,39 @@ def compare(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
     run_compare(r, st, rid, variants.split(",") if variants else None, report_only=report_only, arm_index=arm_index)
 
 
+def _scales(text: Optional[str]) -> Optional[list[int]]:
+    from eagle_jobs.plan import parse_scales
+
+    try:
+        return parse_scales(text) if text is not None else None
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+ScaleOpt = Annotated[Optional[str], typer.Option(
+    "--scale", help="conversation counts, e.g. 10000,100000,1000000 (or 10k,100k,1M): GPU-hours per stage, store "
+    "bytes, traffic and wall time for each, stored vs streaming vs re-extract (a markdown table)")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print the plan (or the --scale table) as JSON")]
+
+
 @app.command()
-def plan(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None):
+def plan(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None, scale: ScaleOpt = None,
+         as_json: JsonOpt = False):
     """Estimate tokens, bytes, objects, traffic and time per stage before booking GPUs.
 
-    With --store, also what capture and extract would reuse from other runs there.
+    With --store, also what capture and extract would reuse from other runs there. With --scale, what
+    corpora of those sizes would cost in each data mode (docs/OPERATIONS.md#anchor-scale-runs).
     """
-    from eagle_jobs.plan import print_plan
+    from eagle_jobs.plan import print_plan, print_scale
     from eagle_jobs.recipe import load_recipe
 
+    conversations = _scales(scale)  # a bad list is refused before the recipe is read
     r = load_recipe(recipe)
+    if conversations:
+        print_scale(r, conversations, as_json)
+        return
     rid = run_id or _env_run_id() or r.store.run_id
-    st = _store_or_none(store)
-    print_plan(r, st, rid)
+    print_plan(r, _store_or_none(store), rid, as_json)
 
 
 @app.command()

@@ -332,14 +332,27 @@ class StoreSpec(Section):
 
 
 class Throughputs(Section):
-    """Stated rates for `plan`. Defaults come from the seed's Blackwell run."""
+    """Stated rates for `plan`: a vLLM rate is one server's (one pod on one node of `gpus_per_node` GPUs), the
+    store rate one pod's. Each field's description says where its default comes from; `plan --scale` prints it
+    beside the value (or says the recipe set it)."""
 
-    capture_tokens_per_s: float = Field(default=2500.0, gt=0)
-    extract_tokens_per_s: float = Field(default=20000.0, gt=0)
-    # seed: 10 samples x 3 epochs in about a minute on one RTX PRO 6000
-    train_samples_per_s_per_gpu: float = Field(default=0.5, gt=0)
-    eval_tokens_per_s: float = Field(default=300.0, gt=0)
-    store_bytes_per_s: float = Field(default=500e6, gt=0)
+    capture_tokens_per_s: float = Field(default=2500.0, gt=0, description=(
+        "answer tokens/s one vLLM server decodes; stated at the foundation commit 93553da, never measured"))
+    extract_tokens_per_s: float = Field(default=20000.0, gt=0, description=(
+        "tokens/s one vLLM server prefills with extract_hidden_states (extraction is prefill only, so a re-extracted "
+        "epoch runs at this rate too); stated at 93553da, never measured"))
+    train_samples_per_s_per_gpu: float = Field(default=0.5, gt=0, description=(
+        "the seed run (../shared/seed/): 10 samples x 3 epochs in about a minute on one RTX PRO 6000"))
+    eval_tokens_per_s: float = Field(default=300.0, gt=0, description="stated at 93553da, never measured")
+    store_bytes_per_s: float = Field(default=500e6, gt=0, description=(
+        "bytes/s one pod writes to or reads from the store; stated at 93553da, never measured"))
+    gpus_per_node: int = Field(default=8, gt=0, description=(
+        "GPUs of one capture, extract or train pod in k8s/overlays/full (docs/OPERATIONS.md#node-sizes)"))
+    capture_nodes: int = Field(default=1, gt=0, description="capture pods in k8s/overlays/full")
+    extract_nodes: int = Field(default=4, gt=0, description="extraction pods in k8s/overlays/full (completions 4)")
+    # Streaming is priced before it exists (issue 22 items 1-2): a recipe's store.window_bytes, once there, wins.
+    stream_window_bytes: int = Field(default=64 * 1024**3, gt=0, description=(
+        "a choice, not a measurement: 32 shards of 512 MiB for each of the 4 extraction pods"))
 
 
 class VariantSpec(Section):
