@@ -409,7 +409,8 @@ def scale_markdown(table: dict) -> str:
                      f"{_human(row['peak_store_bytes'])} | {_human(row['written_bytes'])} | "
                      f"{_human(row['traffic_bytes'])} | {_wall(row['wall_s'])} |")
     lines += ["", "GPU-hours are booked hours (pods held, busy or waiting); extraction's busy share is in "
-              "brackets where it differs. Store columns count hidden states only; traffic is what is written plus what is read."]
+              "brackets where it differs. Store columns count hidden states only; traffic is what is written plus what is read. "
+              "Wall time is capture, extraction and training: no evaluation, node waits or model loads."]
     lines += [""] + _read_bound_note(table) + _pace_note(table)
     lines += ["", "Modes:"] + [f"- {m}: {what}" for m, what in table["modes"].items()]
     lines += ["", "Where the numbers come from:"]
