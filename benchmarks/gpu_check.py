@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from eagle_jobs.committed import download_final
     from eagle_jobs.errors import ExitCode
-    from eagle_jobs.inspect import run_inspect
+    from eagle_jobs.checkpoint_check import run_inspect
     from eagle_jobs.recipe import Recipe
     from eagle_jobs.store import Store
     from eagle_jobs.train import run_ranks, run_train

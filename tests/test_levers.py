@@ -169,7 +169,7 @@ def test_levers_reach_speculators_unchanged_and_the_export_passes_inspect(tiny_r
     from speculators.losses import eager
     from speculators.train.trainer import _resolve_scheduler_steps
 
-    from eagle_jobs.inspect import run_inspect
+    from eagle_jobs.checkpoint_check import run_inspect
 
     recipe = tiny_recipe(**LEVER_SETS[name])
     seen, final = trained_with_spy(recipe, tmp_path, monkeypatch)
@@ -224,7 +224,7 @@ def test_inspect_refuses_norm_tensors_the_config_leaves_out(tiny_recipe, tmp_pat
     """A checkpoint whose config lost its EAGLE-3.1 flags or layer type (hand-edited, or converted by a tool
     that drops them) would not load in vLLM, or load without the norms it was trained with: inspect says
     which, one problem a line."""
-    from eagle_jobs.inspect import check, run_inspect
+    from eagle_jobs.checkpoint_check import check, run_inspect
 
     (model,), _batch, _kw = draft_and_batch(tiny_recipe(**EAGLE31), "sdpa")
     model.save_pretrained(tmp_path / "ok")
@@ -259,7 +259,7 @@ def test_real_vllm_serves_the_eagle31_export_as_speculators_drafts_it(tmp_path):
     from eagle_jobs.committed import download_final
     from eagle_jobs.evaluate import eval_prompts, evaluate_transformers, evaluate_vllm
     from eagle_jobs.extract import run_extract
-    from eagle_jobs.inspect import run_inspect
+    from eagle_jobs.checkpoint_check import run_inspect
     from eagle_jobs.recipe import EMBEDDED_SMOLLM2, VerifierSpec
     from eagle_jobs.store import Store
     from eagle_jobs.train import run_train

@@ -14,7 +14,7 @@ from eagle_jobs.capture import run_capture
 from eagle_jobs.committed import download_final
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
 from eagle_jobs.extract import run_extract
-from eagle_jobs.inspect import run_inspect
+from eagle_jobs.checkpoint_check import run_inspect
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.train import run_train
 
@@ -364,7 +364,7 @@ def test_draft_config_tells_vllm_its_aux_count(tiny_recipe, tmp_path, capsys):
     (llama_eagle3.py): a 2-aux draft must carry num_aux_hidden_states, and inspect checks vLLM's value."""
     import json
 
-    from eagle_jobs.inspect import vllm_num_aux_hidden_states
+    from eagle_jobs.checkpoint_check import vllm_num_aux_hidden_states
 
     recipe = tiny_recipe(aux_layer_ids=[1, 3], train={"epochs": 1})
     st = Store.open(f"file://{tmp_path}/s")

@@ -269,7 +269,7 @@ def test_eagle3_on_the_mla_verifier_is_what_vllm_cpu_cannot_serve(kimi_chain, tm
     this, this test fails: then serve it and compare tau as for SmolLM2."""
     from eagle_jobs import evaluate
     from eagle_jobs.errors import ExitCode, Unavailable
-    from eagle_jobs.inspect import run_inspect
+    from eagle_jobs.checkpoint_check import run_inspect
     from eagle_jobs.vllm_server import vllm_endpoint
 
     recipe, st, root = kimi_chain

@@ -176,7 +176,7 @@ def inspect(checkpoint: Annotated[str, typer.Argument(help="checkpoint directory
             reference: Annotated[Optional[Path], typer.Option(help="reference config.json to compare with")] = None,
             verifier_layers: Annotated[Optional[int], typer.Option(help="verifier layer count (default: from its config)")] = None):
     """Print a draft checkpoint and check it against what vLLM's EAGLE-3 loader needs."""
-    from eagle_jobs.inspect import run_inspect
+    from eagle_jobs.checkpoint_check import run_inspect
 
     code = run_inspect(checkpoint, reference=reference, verifier_layers=verifier_layers)
     raise typer.Exit(int(code))
