@@ -89,11 +89,12 @@ def test_served_defaults_equal_vllms_own(topk_model, tmp_path):
     r = make_recipe(topk_model, tmp_path)
     assert served_defaults(r)[1] == ModelConfig(model=str(topk_model)).get_diff_sampling_param()
     r2 = make_recipe(topk_model, tmp_path, generation_config="vllm")
-    over = {"min_p": 0.1}
+    over = {"min_p": 0.1, "max_new_tokens": 12}
     r2 = r2.model_copy(update={"capture": r2.capture.model_copy(update={"vllm": r2.capture.vllm.model_copy(
         update={"serve_args": ["--override-generation-config", json.dumps(over)]})})})
     mc = ModelConfig(model=str(topk_model), generation_config="vllm", override_generation_config=over)
-    assert served_defaults(r2)[1] == mc.get_diff_sampling_param() == over
+    assert served_defaults(r2)[1] == mc.get_diff_sampling_param() == {"min_p": 0.1, "max_tokens": 12}
+    assert effective(r2)["max_tokens"] == 12  # an override's max_new_tokens caps every request
 
 
 @needs_vllm

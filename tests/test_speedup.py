@@ -36,7 +36,7 @@ def test_concurrency_levels_and_threshold_are_checked_at_load():
     from eagle_jobs.recipe import EvaluateSpec
 
     assert EvaluateSpec().concurrency_levels == [1, 8]
-    assert [EvaluateSpec(speedup_requests=8).speedup_requests_at(c) for c in (1, 4, 8)] == [8, 8, 16]
+    assert [EvaluateSpec().speedup_requests_at(c) for c in (1, 4, 8)] == [4, 4, 8]  # one per slot at least
     for bad in ([8, 1], [1, 1], [0, 4]):
         with pytest.raises(ValidationError, match="strictly ascending"):
             EvaluateSpec(concurrency_levels=bad)
@@ -64,6 +64,28 @@ def test_timed_pass_counts_streamed_tokens_and_first_chunks(tiny_kimi, tiny_reci
     assert 0 < t["output_tokens"] <= 6 * recipe.evaluate.max_new_tokens
     assert t["output_tokens_per_s"] == pytest.approx(t["output_tokens"] / t["seconds"])
     assert 0 < t["ttft_s_p50"] <= t["ttft_s_max"] <= t["seconds"] and t["ttft_s_mean"] <= t["ttft_s_max"]
+
+
+def test_report_flags_a_speedup_no_draft_can_give():
+    """Each verifier forward yields τ tokens on average and costs at least a plain decode step, so a
+    speedup above τ is the machine's load changing between the two servers' passes: the report says so."""
+    from eagle_jobs.report import _speedup_png, _speedup_table
+
+    def level(c, speedup):
+        side = {"requests": 4, "output_tokens": 64, "seconds": 2.0, "output_tokens_per_s": 32.0,
+                "ttft_s_mean": 0.1, "ttft_s_p50": 0.1, "ttft_s_max": 0.2}
+        return {"concurrency": c, "requests": 4, "with_draft": side, "without_draft": side, "speedup": speedup}
+
+    report = {"speedup_note": "how", "speedup_wall_s": 60.0, "min_speedup": None, "prompt_sets": {
+        "a": {"acceptance_length": 1.5, "speedup": {"max_tokens": 16, "levels": [level(1, 1.2), level(8, 0.9)]}},
+        "b": {"acceptance_length": 1.1, "speedup": {"max_tokens": 16, "levels": [level(1, 1.3), level(8, 0.8)]}}}}
+    md = "\n".join(_speedup_table(report))
+    assert "| a | 1 | 4 | 32.0 | 32.0 | **1.20x** |" in md
+    assert "above the set's τ (b at concurrency 1) is more than speculation can give" in md
+    report["prompt_sets"]["b"]["acceptance_length"] = 1.4
+    assert "more than speculation can give" not in "\n".join(_speedup_table(report))
+    assert _speedup_png(report)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _speedup_png({"prompt_sets": {"a": {"speedup": None}}}) is None
 
 
 # -- real vLLM --------------------------------------------------------------------------------------
@@ -111,7 +133,7 @@ def test_report_holds_the_speedup_per_set_and_concurrency(evaluated):
     for name, s in report["prompt_sets"].items():
         sp = s["speedup"]
         assert sp["max_tokens"] == 16 and [lv["concurrency"] for lv in sp["levels"]] == [1, 4], name
-        for lv, requests in zip(sp["levels"], (2, 8)):  # max(speedup_requests, 2 x level)
+        for lv, requests in zip(sp["levels"], (2, 4)):  # max(speedup_requests, level)
             assert lv["requests"] == requests
             for side in ("with_draft", "without_draft"):
                 t = lv[side]
@@ -128,7 +150,7 @@ def test_report_holds_the_speedup_per_set_and_concurrency(evaluated):
     # the stated wall time covers every timed pass plus the warm-ups and the draft-less server's start
     assert report["speedup_wall_s"] > timed
     md = st.get("r/eval/data/report.md").decode()
-    assert "## Speedup" in md and "| other | 4 | 8 |" in md and "![speedup against concurrency](speedup.png)" in md
+    assert "## Speedup" in md and "| other | 4 | 4 |" in md and "![speedup against concurrency](speedup.png)" in md
     assert st.get("r/eval/data/speedup.png")[:8] == b"\x89PNG\r\n\x1a\n"
 
 

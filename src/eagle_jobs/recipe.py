@@ -298,8 +298,9 @@ class EvaluateSpec(Section):
     # Speed (vllm backend, servers started here): each set is timed, warm and streamed, at each of these
     # concurrencies with the draft and on a server without --speculative-config (same serve_args).
     concurrency_levels: list[int] = Field(default_factory=lambda: [1, 8], min_length=1)
-    # Requests timed per set and level (at least twice the level, so the level runs full most of the time).
-    speedup_requests: int = Field(default=8, gt=0)
+    # Requests timed per set and level, at least one per slot of the level: a few streamed answers of
+    # max_new_tokens each, so that the measurement adds about as much as τ's own passes.
+    speedup_requests: int = Field(default=4, gt=0)
     # promote refuses a draft whose speedup at concurrency 1 is below this on any prompt set (None: no rule).
     min_speedup: float | None = Field(default=None, gt=0)
     vllm: VllmServerSpec = VllmServerSpec()
@@ -314,7 +315,7 @@ class EvaluateSpec(Section):
         return self
 
     def speedup_requests_at(self, level: int) -> int:
-        return max(self.speedup_requests, 2 * level)
+        return max(self.speedup_requests, level)
 
 
 class StoreSpec(Section):

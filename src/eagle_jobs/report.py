@@ -141,6 +141,12 @@ def _speedup_table(report: dict) -> list[str]:
             rows.append(f"| {name} | {lv['concurrency']} | {lv['requests']} | {w['output_tokens_per_s']:.1f} | "
                         f"{wo['output_tokens_per_s']:.1f} | **{lv['speedup']:.2f}x** | "
                         f"{w['ttft_s_mean']:.3f} / {w['ttft_s_p50']:.3f} s | {wo['ttft_s_mean']:.3f} / {wo['ttft_s_p50']:.3f} s |")
+    above = [f"{name} at concurrency {lv['concurrency']}" for name, sp in sets.items() for lv in sp["levels"]
+             if lv["speedup"] > report["prompt_sets"][name]["acceptance_length"]]
+    if above:  # each verifier forward yields τ tokens on average and costs at least a plain decode step
+        rows += ["", f"A speedup above the set's τ ({', '.join(above)}) is more than speculation can give: the "
+                 "machine's load changed between the two servers' passes. Rerun on an otherwise idle machine, or "
+                 "time more requests (evaluate.speedup_requests)."]
     if report.get("min_speedup") is not None:
         rows += ["", f"promote requires a speedup of at least {report['min_speedup']:.2f}x at concurrency 1 on every set."]
     return [*rows, ""]
@@ -155,12 +161,17 @@ def _speedup_png(report: dict) -> bytes | None:
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     levels = sorted({lv["concurrency"] for sp in sets.values() for lv in sp["levels"]})
+    points: dict[int, list[tuple[float, str]]] = {}
     for name, sp in sets.items():
         xs, ys = [lv["concurrency"] for lv in sp["levels"]], [lv["speedup"] for lv in sp["levels"]]
-        ax.plot(xs, ys, marker="o", label=name)
+        line, = ax.plot(xs, ys, marker="o", label=name)
         for x, y in zip(xs, ys):
-            ax.annotate(f"{y:.2f}x", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
-    ax.axhline(1.0, color="black", lw=0.8, ls="--", label="no draft")
+            points.setdefault(x, []).append((y, line.get_color()))
+    for x, pts in points.items():  # at each level the highest label above its point, the others below, stacked
+        for rank, (y, color) in enumerate(sorted(pts, reverse=True)):
+            ax.annotate(f"{y:.2f}x", (x, y), textcoords="offset points", xytext=(0, 7 if rank == 0 else -13 * rank),
+                        ha="center", fontsize=8, color=color)
+    ax.axhline(1.0, color="black", lw=0.8, ls="--", label="no draft (1.0)")
     top = max(1.2, max(lv["speedup"] for sp in sets.values() for lv in sp["levels"]) * 1.15)
     ax.set_xscale("log", base=2)
     ax.set_xlim(levels[0] / 1.5, levels[-1] * 1.5)

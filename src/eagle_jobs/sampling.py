@@ -81,7 +81,9 @@ def served_defaults(recipe: Recipe) -> tuple[str, dict, int | None]:
         raise BadInput("capture.vllm.serve_args: --override-generation-config is not JSON") from None
     config.update(override)
     fields = {p: config[p] for p in SERVED_FIELDS if config.get(p) is not None}
-    cap = fields.get("max_new_tokens") if mode not in ("auto", "vllm") else override.get("max_new_tokens")
+    if "max_new_tokens" in fields:  # transformers' name for vLLM's max_tokens, renamed as vLLM does
+        fields["max_tokens"] = fields.pop("max_new_tokens")
+    cap = fields.get("max_tokens") if mode not in ("auto", "vllm") else override.get("max_new_tokens")
     return mode, fields, cap
 
 
