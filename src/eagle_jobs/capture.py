@@ -358,11 +358,12 @@ def run_capture(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
         if recipe.capture.backend == "transformers":
             _capture_shards(recipe, stage, idx, n, todo, lambda: TransformersBackend(recipe), totals, index)
         else:
-            from eagle_jobs.vllm_server import vllm_endpoint
+            from eagle_jobs.vllm_server import server_log, vllm_endpoint
 
             needs_server = any(index.rows_for(c.sha) is None for _k, chunk in todo for c in chunk)
             if needs_server:
-                with vllm_endpoint(recipe.capture.vllm, recipe.verifier, serve_args(recipe)) as base:
+                with vllm_endpoint(recipe.capture.vllm, recipe.verifier, serve_args(recipe),
+                                   log=server_log(run_id, f"capture-{idx}")) as base:
                     _capture_shards(recipe, stage, idx, n, todo, lambda: VllmBackend(recipe, base), totals, index)
             else:
                 _capture_shards(recipe, stage, idx, n, todo, lambda: None, totals, index)

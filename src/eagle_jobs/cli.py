@@ -6,6 +6,7 @@ eagle_jobs.errors.ExitCode (documented in docs/OPERATIONS.md#exit-codes).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shlex
@@ -375,6 +376,8 @@ def _usage_line(e: Exception) -> str:
 def main() -> None:
     try:
         rc = app(standalone_mode=False)  # click returns typer.Exit's code instead of raising it
+        if rc == ExitCode.CANCELLED:  # typer turns ^C (KeyboardInterrupt) into Exit(130), which click returns
+            print("eagle-jobs: interrupted", file=sys.stderr)
         sys.exit(rc if isinstance(rc, int) else 0)
     except EagleJobsError as e:
         print(f"eagle-jobs: error: {e}", file=sys.stderr)
@@ -387,13 +390,20 @@ def main() -> None:
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         print("eagle-jobs: interrupted", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(int(ExitCode.CANCELLED))
     except _click_errors() as e:
         if type(e).__name__ == "NoArgsIsHelpError":  # bare `eagle-jobs`: the help is the answer
             e.show()
             sys.exit(int(ExitCode.USAGE))
         print(_usage_line(e), file=sys.stderr)
         sys.exit(int(ExitCode.USAGE) if getattr(e, "exit_code", 2) == 2 else int(ExitCode.BAD_INPUT))
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" writing {e.filename}" if e.filename else ""
+        print(f"eagle-jobs: error: no space left on a disk{where} ({e.strerror}): free space on the store's disk, "
+              "the work dir or the scratch dir (df -h), then rerun: committed shards are kept", file=sys.stderr)
+        sys.exit(int(ExitCode.NO_SPACE))
     except Exception as e:
         if type(e).__module__.split(".")[0] == "urllib3":  # the cluster's API server did not answer
             print(f"eagle-jobs: error: cluster API unreachable ({type(e).__name__}: {str(e).splitlines()[0]}): "

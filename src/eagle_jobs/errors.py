@@ -20,6 +20,8 @@ class ExitCode(IntEnum):
     NOT_READY = 7  # an upstream stage is not committed yet
     NO_CLUSTER = 8  # submit/status/watch/logs: no cluster configuration found, or its API server did not answer
     NOT_BETTER = 9  # `promote`: the candidate does not beat the promoted draft; nothing changed
+    NO_SPACE = 10  # a write found its disk full (ENOSPC/EDQUOT): nothing half-written is committed; free space, rerun
+    CANCELLED = 130  # ^C (SIGINT): what was committed stays; rerun to resume (128 + 2)
     INTERRUPTED = 143  # SIGTERM: state was committed; rerun to resume (128 + 15)
 
 

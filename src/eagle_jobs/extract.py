@@ -303,12 +303,13 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
             _extract_shards(recipe, stage, idx, n, todo, lambda: TransformersExtractor(recipe), layer_ids, hidden,
                             skipped, index, reused)
         else:
-            from eagle_jobs.vllm_server import vllm_endpoint
+            from eagle_jobs.vllm_server import server_log, vllm_endpoint
 
             scratch = scratch_dir(recipe, run_id, idx)
             if swept := sweep_scratch(scratch):
                 console.print(f"  removed {swept} hidden-state files an earlier attempt left in {scratch}")
-            with vllm_endpoint(recipe.extract.vllm, recipe.verifier, serve_args(recipe, run_id, idx)) as base:
+            with vllm_endpoint(recipe.extract.vllm, recipe.verifier, serve_args(recipe, run_id, idx),
+                               log=server_log(run_id, f"extract-{idx}")) as base:
                 _extract_shards(recipe, stage, idx, n, todo, lambda: VllmExtractor(recipe, base, scratch),
                                 layer_ids, hidden, skipped, index, reused)
     if reused[0]:

