@@ -111,7 +111,12 @@ def evaluate(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
     from eagle_jobs.evaluate import run_evaluate
 
     r, st, rid = _context(recipe, store, run_id)
-    run_evaluate(_arm(r, variant), st, rid, prompts=prompts, output=output, variant=variant)
+    arm = _arm(r, variant)
+    if arm.train.select_by == "served" and prompts is None and output is None:  # as `run` does before evaluate
+        from eagle_jobs.epochs import select_served  # (with a vLLM sidecar: refused in one line, exit 3)
+
+        select_served(arm, st, rid, variant=variant)
+    run_evaluate(arm, st, rid, prompts=prompts, output=output, variant=variant)
 
 
 @app.command()
@@ -135,6 +140,17 @@ def compare(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
 
     r, st, rid = _context(recipe, store, run_id)
     run_compare(r, st, rid, variants.split(",") if variants else None, report_only=report_only, arm_index=arm_index)
+
+
+@app.command("rank-epochs")
+def rank_epochs(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None, variant: VariantOpt = None,
+                num_prompts: Annotated[int, typer.Option(min=1, help="held-out prompts served per epoch")] = 8):
+    """Serve every committed epoch checkpoint on the first held-out prompts: served tau per epoch against
+    training's estimate, their rank correlation and the time it took (<run>/epochs/data/report.md)."""
+    from eagle_jobs.epochs import rank_epochs as rank
+
+    r, st, rid = _context(recipe, store, run_id)
+    rank(_arm(r, variant), st, rid, variant=variant, num_prompts=num_prompts)
 
 
 def _scales(text: Optional[str]) -> Optional[list[int]]:

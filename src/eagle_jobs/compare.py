@@ -48,6 +48,10 @@ def run_arm(recipe: Recipe, store: Store, run_id: str, name: str, train_only: bo
         run_train(arm, store, run_id, variant=name)
     if train_only:  # a train replica of the compare component: the evaluate job measures every arm
         return "trained"
+    if arm.train.select_by == "served":  # final/ becomes the best-served epoch before it is evaluated
+        from eagle_jobs.epochs import select_served
+
+        select_served(arm, store, run_id, variant=name)
     run_evaluate(arm, store, run_id, variant=name)
     return "done"
 

@@ -38,6 +38,20 @@ def stage_serve_command(recipe: Recipe, stage: str, store: Store, run_id: str,
     raise BadInput(f"serve-vllm --stage {stage}: choose capture, extract or evaluate")
 
 
+def select_by_served(recipe: Recipe, store: Store, run_id: str) -> tuple[str, str, str, str]:
+    """train.select_by served: final/ becomes the best-served epoch before evaluate (eagle_jobs.epochs)."""
+    from eagle_jobs.epochs import epochs_dir, select_served
+
+    t0 = time.perf_counter()
+    if Stage(store, run_id, STAGE_DIRS["evaluate"]).is_complete():  # never swap the draft under its report
+        status = "skipped (evaluate is committed: final/ stays the draft it measured)"
+    else:
+        console.rule("[bold]select epoch (served tau)")
+        status = select_served(recipe, store, run_id)
+    where = store.url(Stage(store, run_id, epochs_dir()).prefix)
+    return ("select epoch", status, f"{time.perf_counter() - t0:.0f}s", where)
+
+
 def run_pipeline(recipe: Recipe, store: Store, run_id: str, stages: list[str] | None = None) -> dict:
     from eagle_jobs.capture import run_capture
     from eagle_jobs.evaluate import run_evaluate
@@ -52,6 +66,12 @@ def run_pipeline(recipe: Recipe, store: Store, run_id: str, stages: list[str] | 
         from eagle_jobs.evaluate import eval_sets
 
         eval_sets(recipe)  # no held-out split and no benchmark set: refused now, not after training
+    select = recipe.train.select_by == "served" and bool({"train", "evaluate"} & set(wanted))
+    if select:
+        from eagle_jobs.epochs import DEFAULT_PROMPTS, check_servable, held_out_prompts
+
+        check_servable(recipe)  # likewise: the ranking's servers and prompts, before training
+        held_out_prompts(recipe, DEFAULT_PROMPTS)
     runners = {
         "capture": lambda: run_capture(recipe, store, run_id, 0, 1),
         "extract": lambda: run_extract(recipe, store, run_id, 0, 1),
@@ -60,6 +80,8 @@ def run_pipeline(recipe: Recipe, store: Store, run_id: str, stages: list[str] | 
     }
     rows, tau = [], None
     for name in STAGES:
+        if name == "evaluate" and select:  # after training (run now or committed), before evaluate
+            rows.append(select_by_served(recipe, store, run_id))
         if name not in wanted:
             continue
         stage = Stage(store, run_id, STAGE_DIRS[name])

@@ -274,6 +274,11 @@ class TrainSpec(Section):
     # A step checkpoint committed to the store this often (a float: 0.5 is 30 s), so an eviction or
     # a kill costs at most this much training; None: epoch checkpoints (and the SIGTERM save) only.
     checkpoint_every_minutes: float | None = Field(default=30.0, gt=0)
+    # Which epoch checkpoint becomes final/: estimate, the best held-out teacher-forced tau estimate
+    # (free: training's own validation); served, the best tau vLLM measures serving each epoch on the
+    # first prompts of the held-out split (`eagle-jobs rank-epochs`: one server start per epoch, the
+    # cost in docs/OPERATIONS.md#choosing-the-epoch-by-served-tau), before evaluate.
+    select_by: Literal["estimate", "served"] = "estimate"
 
     @model_validator(mode="after")
     def _muon_only_with_muon(self) -> "TrainSpec":
@@ -446,9 +451,13 @@ class Recipe(Section):
 
     def train_digest(self) -> str:
         """What a training checkpoint depends on: resuming under another value would be wrong. Not the
-        step checkpoint interval: an operator may shorten it on a run that keeps being preempted."""
+        step checkpoint interval: an operator may shorten it on a run that keeps being preempted; nor
+        train.select_by, which chooses among the checkpoints after training (left out of the hash, so
+        that checkpoints committed before the key existed still resume)."""
         same = self.model_copy(update={"train": self.train.model_copy(update={"checkpoint_every_minutes": None})})
-        return same.digest(("verifier", "aux_layer_ids", "draft", "train"))
+        data = same.model_dump(mode="json", include={"verifier", "aux_layer_ids", "draft", "train"},
+                               exclude={"train": {"select_by"}})
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _loc(err: dict) -> str:

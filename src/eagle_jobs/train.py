@@ -161,10 +161,29 @@ def restore_latest(stage: Stage, local: Path, recipe_digest: str) -> dict | None
     return m
 
 
+def epoch_checkpoints(stage: Stage) -> dict[int, dict]:
+    """The committed end-of-epoch checkpoints (the export's candidates): epoch -> manifest."""
+    return {m["epoch"]: m for m in committed_checkpoints(stage) if not m["local_step"]}
+
+
 def restore_epoch(stage: Stage, local: Path, epoch: int) -> None:
     """The end-of-epoch checkpoint of `epoch` back on local disk (the export's source)."""
-    restore_checkpoint(stage, local, next(m for m in committed_checkpoints(stage)
-                                          if m["epoch"] == epoch and not m["local_step"]))
+    restore_checkpoint(stage, local, epoch_checkpoints(stage)[epoch])
+
+
+# What final/ keeps of a checkpoint: the weights and config vLLM serves, and speculators' validation.
+SERVED_FILES = ("model.safetensors", "config.json", "val_metrics.json")
+
+
+def restore_served(stage: Stage, m: dict, dest: Path) -> Path:
+    """Only what vLLM serves of the checkpoint `m`, in dest: a draft directory, without the optimizer
+    state (the draft's twice over) that a resume needs and a server does not."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f, info in m["files"].items():
+        name = f.split("/", 1)[1]
+        if name in SERVED_FILES:
+            (dest / name).write_bytes(stage.read(f, info))
+    return dest
 
 
 def restore_checkpoint(stage: Stage, local: Path, m: dict) -> None:
@@ -193,6 +212,11 @@ def select_epoch(records: list[dict], k: int, last: int) -> dict:
     return {"epoch": best, "by": f"the best held-out teacher-forced tau estimate, 1 + sum of full_acc_i for i < {k} "
             "(not the lowest loss)", "tau_estimate": est[best], "last_epoch": last,
             "per_epoch": {str(e): est[e] for e in sorted(est)}}
+
+
+def estimate_depth(recipe: Recipe) -> int:
+    """The k of the tau estimate: the draft tokens evaluate serves, as far as training validated them."""
+    return min(recipe.evaluate.num_speculative_tokens, recipe.train.ttt_steps)
 
 
 def commit_checkpoint(stage: Stage, local: Path, epoch: int, local_step: int, extra: dict) -> dict:
@@ -463,8 +487,7 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
         # 6. export: the epoch with the best held-out tau estimate, as vLLM serves it
         if get_rank() == 0:
             last = max(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and not p.is_symlink())
-            k = min(recipe.evaluate.num_speculative_tokens, recipe.train.ttt_steps)
-            record["selection"] = sel = select_epoch(recorder.records, k, last)
+            record["selection"] = sel = select_epoch(recorder.records, estimate_depth(recipe), last)
             record["metrics"] = recorder.records
             if not (ckpt_dir / str(sel["epoch"])).is_dir():  # pruned locally once committed: fetch it back
                 restore_epoch(stage, ckpt_dir, sel["epoch"])
@@ -502,14 +525,15 @@ def upload_tensorboard(handler: logging.Handler, log_dir: Path, stage: Stage) ->
             stage.store.put(stage.key(f"data/tensorboard/{f.relative_to(log_dir).as_posix()}"), f.read_bytes())
 
 
-def export_final(stage: Stage, ckpt: Path, record: dict, recipe: Recipe) -> None:
+def export_final(stage: Stage, ckpt: Path, record: dict, recipe: Recipe, meta: dict | None = None) -> None:
+    """ckpt (a local epoch directory) as final/: objects first, the manifest last, then COMPLETE.
+    meta: more manifest fields (the served selection marks itself there)."""
     from eagle_jobs.speculators_compat import export_checkpoint_dir
 
-    objects = {k: v for k, v in export_checkpoint_dir(ckpt).items()
-               if k in ("model.safetensors", "config.json", "val_metrics.json")}
+    objects = {k: v for k, v in export_checkpoint_dir(ckpt).items() if k in SERVED_FILES}
     objects["train_config.json"] = json.dumps({k: v for k, v in record.items() if k != "metrics"}, indent=1).encode()
     objects["metrics.json"] = json.dumps(record["metrics"]).encode()
     objects["recipe.json"] = json.dumps(recipe.model_dump(mode="json"), indent=1).encode()  # lineage
-    stage.commit_shard("final", {f"final/{k}": v for k, v in objects.items()}, {"epoch": int(ckpt.name)})
+    stage.commit_shard("final", {f"final/{k}": v for k, v in objects.items()}, {"epoch": int(ckpt.name), **(meta or {})})
     stage.complete({"final": stage.store.url(stage.key("data/final"))})
     console.print(f"  final draft: {stage.store.url(stage.key('data/final'))}")
