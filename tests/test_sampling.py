@@ -173,6 +173,7 @@ def test_both_backends_sample_within_the_served_top_k(topk_model, tmp_path):
             make_recipe(topk_model, tmp_path, generation_config=mode))
     assert found["auto", "vllm"][0]["top_k"] == 3 and found["vllm", "vllm"][0]["top_k"] == 0
     counts = {key: outside_top_k(topk_model, rows, 3) for key, (_s, rows) in found.items()}
+    print(f"sampled tokens outside the top 3 / tokens, by (generation_config, backend): {counts}")
     for backend in ("vllm", "transformers"):
         outside, total = counts["auto", backend]
         assert total >= 200 and outside == 0, counts
