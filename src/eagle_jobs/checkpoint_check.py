@@ -96,7 +96,7 @@ def check(ckpt: Path, verifier_layers: int | None) -> tuple[list[str], dict, dic
         problems.append("speculators_config.verifier.name_or_path missing")
     # key names: vLLM maps midlayer.* -> layers.0.*
     names = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: v for k, v in tensors.items()}
-    H, aux = f["hidden_size"], f["eagle_aux_hidden_state_layer_ids"] or []
+    aux = f["eagle_aux_hidden_state_layer_ids"] or []
     if aux and f["vllm_num_aux_hidden_states"] != len(aux):
         problems.append(f"vLLM would size fc for {f['vllm_num_aux_hidden_states']} aux states, the draft reads "
                         f"{len(aux)} ({aux}): write num_aux_hidden_states = {len(aux)} into transformer_layer_config")

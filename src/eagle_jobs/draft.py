@@ -36,7 +36,8 @@ def check_aux_ids(aux: list[int], verifier_layers: int, where: str = "aux_layer_
     bad = [i for i in aux if not 1 <= i < verifier_layers]
     if bad:
         raise BadInput(f"{where} {aux}: {bad} out of range for a verifier with {verifier_layers} layers "
-                       f"(ids are inputs of decoder layers 1..{verifier_layers - 1}; the final layer is added by itself)")
+                       f"(ids are inputs of decoder layers 1..{verifier_layers - 1}; "
+                       "the final layer is added by itself)")
 
 
 def stored_layer_ids(aux: list[int], verifier_layers: int) -> list[int]:
@@ -54,7 +55,8 @@ def resolve_shape(recipe: Recipe, text_cfg) -> DraftShape:
     if d.hidden_size is None:
         derived.append("hidden_size")
     if hidden != vh:
-        raise BadInput(f"draft.hidden_size {hidden} != verifier hidden size {vh}: EAGLE-3 fuses the verifier's states at its own width")
+        raise BadInput(f"draft.hidden_size {hidden} != verifier hidden size {vh}: "
+                       "EAGLE-3 fuses the verifier's states at its own width")
     heads = d.num_attention_heads
     if heads is None:
         heads = int(getattr(text_cfg, "num_attention_heads", 0) or max(1, hidden // 128))
@@ -154,8 +156,8 @@ def trainer_call_kwargs(recipe: Recipe, loss_impl: str) -> tuple[dict, dict]:
 def optimizer_settings(recipe: Recipe) -> dict:
     """speculators' TrainerConfig fields for train.optimizer, its Muon group and the LR schedule."""
     t = recipe.train
-    out = {"optimizer": t.optimizer, "lr": t.lr, "weight_decay": t.weight_decay, "scheduler_type": t.scheduler,
-           "scheduler_warmup_ratio": t.warmup_ratio}
+    out: dict[str, object] = {"optimizer": t.optimizer, "lr": t.lr, "weight_decay": t.weight_decay,
+                              "scheduler_type": t.scheduler, "scheduler_warmup_ratio": t.warmup_ratio}
     if t.optimizer == "muon":
         m = t.muon_settings()
         # TrainerConfig's own default Muon lr is 0.02 whatever --lr says; speculators' CLI passes --lr

@@ -108,7 +108,8 @@ def decode_sample(buf: bytes, entry: dict, dtype: torch.dtype = torch.bfloat16) 
             n *= d
         nbytes = n * torch.empty((), dtype=tdtype).element_size()
         raw = bytearray(mv[t["offset"] : t["offset"] + nbytes])
-        out[name] = torch.frombuffer(raw, dtype=tdtype).reshape(t["shape"]) if n else torch.empty(t["shape"], dtype=tdtype)
+        out[name] = (torch.frombuffer(raw, dtype=tdtype).reshape(t["shape"]) if n
+                     else torch.empty(t["shape"], dtype=tdtype))
     hs = out["hidden_states"]
     if "scales" in out:
         hs = hs.float() * out.pop("scales").unsqueeze(-1)

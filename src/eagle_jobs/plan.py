@@ -56,9 +56,8 @@ def draft_parameters(s: DraftShape, num_aux: int, draft: DraftSpec) -> dict[str,
 
 def _verifier_text_config(recipe: Recipe):
     """The verifier's text config if it can be read here; otherwise the recipe's own numbers."""
-    from types import SimpleNamespace
-
     from pathlib import Path
+    from types import SimpleNamespace
 
     from eagle_jobs.errors import BadInput
     from eagle_jobs.verifier import load_config, text_config
@@ -173,7 +172,8 @@ def print_plan(recipe: Recipe, store=None, run_id: str | None = None, as_json: b
                   f"~{p['tokens']:,} tokens (<= {p['tokens_per_sample']:.0f}/sample)")
     console.print(f"  hidden states: {_human(p['hidden_state_bytes']['bfloat16'])} bf16, "
                   f"{_human(p['hidden_state_bytes']['fp8'])} fp8 ({p['stored_layers']} layers); "
-                  f"draft {p['draft_parameters']['trainable']:,} trainable / {p['draft_parameters']['total']:,} total parameters")
+                  f"draft {p['draft_parameters']['trainable']:,} trainable / "
+                  f"{p['draft_parameters']['total']:,} total parameters")
     ck = p["train_checkpoint"]
     console.print(f"  a train checkpoint: {_human(ck['bytes'])}, about {ck['save_s']:.0f} s to save on SIGTERM "
                   f"(within torchrun's shutdown timeout and the pod's terminationGracePeriodSeconds)")
@@ -360,8 +360,8 @@ def scale_table(recipe: Recipe, conversations: list[int]) -> dict:
     """The JSON form of `plan --scale`: one row per (conversations, mode), and the sources."""
     b = scale_basis(recipe, make_plan(recipe))
     rows = [price_mode(b, n, m) for n in conversations for m in SCALE_MODES]
-    return {"recipe": recipe.name, "title": _scale_title(recipe, b, conversations), "modes": SCALE_MODES, "rows": rows, "sources": scale_sources(recipe, b),
-            "anchors": ANCHORS}
+    return {"recipe": recipe.name, "title": _scale_title(recipe, b, conversations), "modes": SCALE_MODES, "rows": rows,
+            "sources": scale_sources(recipe, b), "anchors": ANCHORS}
 
 
 def _wall(s: float) -> str:
@@ -399,7 +399,8 @@ def _read_bound_note(table: dict) -> list[str]:
 
 def scale_markdown(table: dict) -> str:
     """The table `plan --scale` prints and docs/OPERATIONS.md carries (tests keep them equal)."""
-    lines = [table["title"], "", "| conversations | mode | capture GPU-h | extract GPU-h (busy) | train GPU-h | total GPU-h "
+    lines = [table["title"], "",
+             "| conversations | mode | capture GPU-h | extract GPU-h (busy) | train GPU-h | total GPU-h "
              "| peak store | written | traffic | wall |", "|" + "---|" * 10]
     for row in table["rows"]:
         g = row["gpu_hours"]
@@ -409,7 +410,8 @@ def scale_markdown(table: dict) -> str:
                      f"{_human(row['peak_store_bytes'])} | {_human(row['written_bytes'])} | "
                      f"{_human(row['traffic_bytes'])} | {_wall(row['wall_s'])} |")
     lines += ["", "GPU-hours are booked hours (pods held, busy or waiting); extraction's busy share is in "
-              "brackets where it differs. Store columns count hidden states only; traffic is what is written plus what is read. "
+              "brackets where it differs. Store columns count hidden states only; "
+              "traffic is what is written plus what is read. "
               "Wall time is capture, extraction and training: no evaluation, node waits or model loads."]
     lines += [""] + _read_bound_note(table) + _pace_note(table)
     lines += ["", "Modes:"] + [f"- {m}: {what}" for m, what in table["modes"].items()]

@@ -13,8 +13,14 @@ from contextlib import contextmanager
 
 from rich.console import Console
 from rich.progress import (
-    BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TaskProgressColumn,
-    TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
 )
 from rich.text import Text
 
@@ -33,7 +39,9 @@ def _eta(done: int, total: int, elapsed: float) -> str:
     if not done or done >= total:
         return "0:00"
     left = int(elapsed * (total - done) / done)
-    return f"{left // 3600}:{left % 3600 // 60:02d}:{left % 60:02d}" if left >= 3600 else f"{left // 60}:{left % 60:02d}"
+    if left >= 3600:
+        return f"{left // 3600}:{left % 3600 // 60:02d}:{left % 60:02d}"
+    return f"{left // 60}:{left % 60:02d}"
 
 
 def progress_line(description: str, done: int, total: int, unit: str, tokens: int, elapsed: float) -> str:

@@ -192,7 +192,7 @@ def _json_array(f: TextIO, source: str, rejects: Rejects) -> Iterator[tuple[obje
 
 def _humaneval(path: Path, source: str) -> Iterator[tuple[object, str]]:
     with gzip.open(path, "rt", encoding="utf-8") as f:
-        for ln, line in enumerate(f, 1):
+        for line in f:
             p = json.loads(line)
             yield ({"messages": [{"role": "user", "content": "Complete the following Python function. "
                                   f"Answer with the whole function in a code block.\n\n```python\n{p['prompt']}```"}]},

@@ -41,7 +41,8 @@ def serving(recipe: Recipe, backend: str, server: VllmServerSpec) -> list[str]:
 def capture_digest(recipe: Recipe) -> str:
     v = recipe.verifier
     return _digest({"verifier": [v.model, v.revision, v.dtype], "chat": recipe.chat.model_dump(mode="json"),
-                    "sampling": recipe.sampling.model_dump(mode="json"), "limits": recipe.limits.model_dump(mode="json"),
+                    "sampling": recipe.sampling.model_dump(mode="json"),
+                    "limits": recipe.limits.model_dump(mode="json"),
                     "serving": serving(recipe, recipe.capture.backend, recipe.capture.vllm)})
 
 
@@ -77,17 +78,17 @@ def matching_manifests(store: Store, run_id: str, stage: str, digest: str):
 class CaptureIndex:
     """prompt sha256 -> (run, shard file, manifest file info) of committed rows with the same settings."""
 
+    store: Store = field(repr=False, compare=False)
     where: dict[str, tuple[str, str, dict]] = field(default_factory=dict)
     _cache: dict[tuple[str, str], list[dict]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, store: Store, recipe: Recipe, run_id: str) -> "CaptureIndex":
-        idx = cls()
+        idx = cls(store)
         for run, m in matching_manifests(store, run_id, "capture", capture_digest(recipe)):
             (fname, info), = m["files"].items()
             for sha in m.get("prompt_sha256s", []):
                 idx.where.setdefault(sha, (run, fname, info))
-        idx.store = store
         return idx
 
     def rows_for(self, sha: str) -> list[dict] | None:

@@ -66,7 +66,6 @@ import warnings
 from pathlib import Path
 
 import torch
-
 from speculators.train import checkpointer as _ckpt
 from speculators.train import trainer as _trainer
 from speculators.train.graceful_shutdown import TrainingInterruptedError, with_graceful_shutdown
@@ -91,7 +90,9 @@ def install() -> None:
     global _installed
     if _installed or has_accelerator():
         return
-    _trainer.get_local_rank = lambda: "cpu"  # 1
+    # 1. The Trainer passes get_local_rank() to .to() as a device; speculators annotates it as int, but "cpu"
+    # is the device meant here: a deliberate replacement, not a type error
+    _trainer.get_local_rank = lambda: "cpu"  # type: ignore[assignment,return-value]
 
     def mark(self, name: str) -> None:  # 2
         if self.enabled:
@@ -100,7 +101,8 @@ def install() -> None:
     def now(self):
         return time.perf_counter() if self.enabled else None
 
-    _trainer._StepTimer.mark, _trainer._StepTimer.now = mark, now  # noqa: SLF001
+    # replacing these methods is this module's purpose (mypy flags any assignment to a method as a likely mistake)
+    _trainer._StepTimer.mark, _trainer._StepTimer.now = mark, now  # type: ignore[method-assign]  # noqa: SLF001
     _ckpt.get_current_device = lambda: "cpu"  # 3
     _installed = True
 
@@ -233,7 +235,7 @@ class StoreTrainer(_trainer.Trainer):
         self._cur_epoch = epoch
         self._cur_step = getattr(self, "_resume_local_step", 0) if epoch == self.current_epoch else 0
         sampler = getattr(self.train_loader, "batch_sampler", None)
-        if hasattr(sampler, "set_epoch"):
+        if sampler is not None and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)  # the count below is this epoch's, not the previous one's
         num_steps = len(self.train_loader)
         # 8: speculators' tqdm.rich bar prints nothing off a terminal (a pod's log): plain lines there

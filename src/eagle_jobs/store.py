@@ -149,9 +149,12 @@ class Store:
         except Exception as e:  # noqa: BLE001
             code = _error_code(e)
             if code in {"404", "NoSuchBucket"} or isinstance(e, FileNotFoundError):
-                raise StoreError(f"store {self.uri}: bucket '{bucket}' does not exist: create it or fix the store URI") from None
-            if code in {"403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"} or isinstance(e, PermissionError):
-                raise StoreError(f"store {self.uri}: access to bucket '{bucket}' denied: check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (the store Secret)") from None
+                raise StoreError(f"store {self.uri}: bucket '{bucket}' does not exist: "
+                                 "create it or fix the store URI") from None
+            denied = {"403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"}
+            if code in denied or isinstance(e, PermissionError):
+                raise StoreError(f"store {self.uri}: access to bucket '{bucket}' denied: "
+                                 "check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (the store Secret)") from None
             if _is_transient(e):
                 self._retry("head_bucket", lambda: self.fs.call_s3("head_bucket", Bucket=bucket))
                 return
@@ -215,7 +218,8 @@ class Store:
         async def part(n: int, start: int) -> dict:
             async with sem:
                 body = data[start : start + PART_BYTES]
-                r = await fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=n, Body=body)
+                r = await fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=n,
+                                      Body=body)
                 return {"PartNumber": n, "ETag": r["ETag"]}
 
         try:
@@ -319,7 +323,8 @@ class Stage:
     def read(self, fname: str, verify: dict | None = None) -> bytes:
         data = self.store.get(self.key(f"data/{fname}"))
         if verify is not None and sha256(data) != verify["sha256"]:
-            raise StoreError(f"store {self.store.url(self.key('data/' + fname))}: sha256 mismatch with its manifest; rerun the stage")
+            raise StoreError(f"store {self.store.url(self.key('data/' + fname))}: "
+                             "sha256 mismatch with its manifest; rerun the stage")
         return data
 
     def iter_objects(self) -> Iterator[tuple[dict, str, bytes]]:
