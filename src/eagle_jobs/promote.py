@@ -20,6 +20,7 @@ from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
 from eagle_jobs.progress import console
 from eagle_jobs.store import Stage, Store
 
+
 def _git_commit() -> str | None:
     for var in ("EAGLE_JOBS_GIT_COMMIT", "GITHUB_SHA"):
         if os.environ.get(var):
@@ -60,7 +61,8 @@ def check_speedup(report: dict, run_id: str, min_speedup: float | None) -> None:
         raise BadInput(f"promote: a speedup of at least {min_speedup:.2f}x at concurrency 1 is required, and run "
                        f"'{run_id}' has none measured for {missing or 'any set'} ({report.get('speedup_note')}): "
                        "evaluate on the vllm backend where the stage starts its servers, or drop the threshold")
-    slow = {n: sp for n, x in sets.items() if (sp := speedup_at_1(x)) < min_speedup}
+    # every set has a speedup here (missing ones are refused above); the None test is for the type
+    slow = {n: sp for n, x in sets.items() if (sp := speedup_at_1(x)) is not None and sp < min_speedup}
     if slow:
         raise EagleJobsError("promote: not promoted: " + "; ".join(
             f"speedup[{n}] {sp:.2f}x at concurrency 1 < min_speedup {min_speedup:.2f}x" for n, sp in slow.items()),
@@ -74,7 +76,8 @@ def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
     train, ev = Stage(store, run_id, "train"), Stage(store, run_id, "eval")
     final, report_m = train.manifest("final"), ev.manifest("report")
     if final is None or report_m is None:
-        raise BadInput(f"promote: run '{run_id}' has no committed final checkpoint and evaluation report in {store.uri}")
+        raise BadInput(f"promote: run '{run_id}' has no committed final checkpoint and evaluation report "
+                       f"in {store.uri}")
     report = json.loads(ev.read("report.json", report_m["files"]["report.json"]))
     tau = float(report["acceptance_length"])
     check_speedup(report, run_id, min_speedup if min_speedup is not None else report.get("min_speedup"))
@@ -90,7 +93,8 @@ def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
         same = {n for n in sets if n in cur_sets and cur_sets[n]["prompts_sha256"] == sets[n]["prompts_sha256"]}
         if not same and current.get("prompts_sha256") != report.get("prompts_sha256"):
             raise BadInput(f"promote: '{run_id}' was evaluated on other prompts than the promoted "
-                           f"'{current['run_id']}' ({report.get('prompts_sha256')} vs {current.get('prompts_sha256')}): "
+                           f"'{current['run_id']}' ({report.get('prompts_sha256')} "
+                           f"vs {current.get('prompts_sha256')}): "
                            "evaluate both with the same --prompts file or evaluate.prompt_sets")
         # every prompt set both were measured on must hold up, each on its own
         pairs = {n: (sets[n]["acceptance_length"], cur_sets[n]["acceptance_length"]) for n in sorted(same)} or \
@@ -98,7 +102,8 @@ def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
         worse = {n: p for n, p in pairs.items() if p[0] + tolerance < p[1]}
         if worse:
             msg = "promote: not promoted: " + "; ".join(
-                f"tau[{n}] {new:.3f} < promoted '{current['run_id']}' {old:.3f} - {tolerance}" for n, (new, old) in worse.items())
+                f"tau[{n}] {new:.3f} < promoted '{current['run_id']}' {old:.3f} - {tolerance}"
+                for n, (new, old) in worse.items())
             raise EagleJobsError(msg, ExitCode.NOT_BETTER)
     prefix = f"versions/{run_id}"
     for f, info in final["files"].items():  # checkpoint objects, each checked against its manifest
@@ -123,9 +128,11 @@ def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
     }
     dest.put_json(f"{prefix}/lineage.json", lineage)
     dest.put_json("CURRENT.json", {"run_id": run_id, "version": dest.url(prefix), "acceptance_length": tau,
-                                   "prompts_sha256": report.get("prompts_sha256"), "lineage": dest.url(f"{prefix}/lineage.json"),
+                                   "prompts_sha256": report.get("prompts_sha256"),
+                                   "lineage": dest.url(f"{prefix}/lineage.json"),
                                    "prompt_sets": {n: {"acceptance_length": x["acceptance_length"],
-                                                       "prompts_sha256": x["prompts_sha256"]} for n, x in sets.items()}})
+                                                       "prompts_sha256": x["prompts_sha256"]}
+                                                   for n, x in sets.items()}})
     console.print(f"promoted '{run_id}' (tau {tau:.3f}"
                   + (f", was {current['acceptance_length']:.3f} from '{current['run_id']}'" if current else "")
                   + f") to {dest.url(prefix)}")
@@ -139,7 +146,8 @@ def report_summary(store: Store, run_id: str) -> str:
     if m is None:
         return f"### {run_id}\n\nno evaluation report yet\n"
     rep = json.loads(ev.read("report.json", m["files"]["report.json"]))
-    lines = [f"### {run_id}", "", f"k = {rep['num_speculative_tokens']}; report: {store.url(ev.key('data/report.md'))}", "",
+    lines = [f"### {run_id}", "",
+             f"k = {rep['num_speculative_tokens']}; report: {store.url(ev.key('data/report.md'))}", "",
              "| prompt set | prompts | τ | untrained | per-position acceptance | speedup at concurrency 1 |",
              "|---|---|---|---|---|---|"]
     for name, x in (rep.get("prompt_sets") or {"prompts": rep}).items():
