@@ -458,12 +458,15 @@ def speedup_table(with_draft: dict[int, dict] | None, without: dict[int, dict] |
     return {"max_tokens": recipe.evaluate.max_new_tokens, "levels": levels}
 
 
-def teacher_forced_estimate(metrics: list[dict], k: int) -> float | None:
-    """1 + sum_i P(first i+1 draft steps all right), from the last validation epoch's full_acc_i."""
-    vals = [m["val"] for m in metrics if "val" in m]
+def teacher_forced_estimate(metrics: list[dict], k: int, epoch: int | None = None) -> float | None:
+    """1 + sum_i P(first i+1 draft steps all right), from the validation of `epoch` (the exported one:
+    the draft being evaluated), else of the last epoch validated."""
+    vals = [m for m in metrics if "val" in m]
+    if epoch is not None and any(int(m.get("epoch", -1)) == epoch for m in vals):
+        vals = [m for m in vals if int(m.get("epoch", -1)) == epoch]
     if not vals:
         return None
-    last = vals[-1]
+    last = vals[-1]["val"]
     accs = [last.get(f"full_acc_{i}_epoch") for i in range(k)]
     accs = [a for a in accs if a is not None]
     return 1 + sum(accs) if accs else None
@@ -551,8 +554,9 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
                           if base else "not measured: the pod's vLLM sidecar serves only the trained draft"),
         "speedup": p["speedup"], "speedup_note": speed["note"], "speedup_wall_s": speed["wall_s"],
         "concurrency_levels": recipe.evaluate.concurrency_levels, "min_speedup": recipe.evaluate.min_speedup,
-        "teacher_forced_estimate": teacher_forced_estimate(metrics, k),
-        "teacher_forced_note": "1 + sum of training's last validation full_acc_i: an estimate, not a measurement",
+        "teacher_forced_estimate": teacher_forced_estimate(
+            metrics, k, (train_cfg.get("selection") or {}).get("epoch")),
+        "teacher_forced_note": "1 + sum of the exported epoch's validation full_acc_i: an estimate, not a measurement",
         "backend": recipe.evaluate.backend, "prompts": primary if not prompts else str(prompts),
         "prompts_sha256": p["prompts_sha256"], "prompt_sets": per_set,
         "train": {k2: train_cfg.get(k2) for k2 in ("samples", "epochs", "total_steps", "parameters", "selection")},

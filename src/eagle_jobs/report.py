@@ -23,6 +23,33 @@ def _series(metrics: list[dict], key_prefix: str) -> dict[str, list[tuple[int, f
     return out
 
 
+def ema(values: list[float], alpha: float = 0.1) -> list[float]:
+    """Exponential moving average: per-step training values are too noisy to read a trend from."""
+    out: list[float] = []
+    for v in values:
+        out.append(v if not out else alpha * v + (1 - alpha) * out[-1])
+    return out
+
+
+def _epoch_end_steps(metrics: list[dict]) -> dict[int, int]:
+    """The last training step of each epoch: where its validation is drawn on a step axis."""
+    ends: dict[int, int] = {}
+    for m in metrics:
+        if "train" in m and "epoch" in m:
+            ends[int(m["epoch"])] = max(ends.get(int(m["epoch"]), 0), int(m.get("global_step", 0)))
+    return ends
+
+
+def _validation(metrics: list[dict], train_key: str) -> list[tuple[int, float]]:
+    """(epoch, value) of a training series' held-out counterpart (loss -> loss_epoch, ...)."""
+    out = []
+    for m in metrics:
+        v = (m.get("val") or {}).get(f"{train_key}_epoch")
+        if isinstance(v, (int, float)) and "epoch" in m:
+            out.append((int(m["epoch"]), float(v)))
+    return out
+
+
 def write_report(report: dict, metrics: list[dict]) -> dict[str, bytes]:
     import matplotlib
 
@@ -30,17 +57,27 @@ def write_report(report: dict, metrics: list[dict]) -> dict[str, bytes]:
     import matplotlib.pyplot as plt
 
     files: dict[str, bytes] = {}
-    # 1. training loss and per-step accuracy over steps; the held-out tau estimate per epoch
+    # 1. training loss and per-step accuracy over steps (raw values faint, their EMA on top, each epoch's
+    # held-out validation as points at its last step); the held-out tau estimate per epoch, exported starred
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 3.6))
-    for name, pts in sorted(_series(metrics, "loss").items()):
-        if name in ("loss_sum", "loss_total"):
-            continue
-        ax1.plot([p[0] for p in pts], [p[1] for p in pts], label=name)
-    ax1.set(title="training loss", xlabel="step")
+    ends = _epoch_end_steps(metrics)
+    for ax, prefix, skip in ((ax1, "loss", {"loss_sum", "loss_total"}), (ax2, "full_acc", set())):
+        for i, (name, pts) in enumerate(sorted(_series(metrics, prefix).items())):
+            if name in skip:
+                continue
+            color = f"C{i % 10}"
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            ax.plot(xs, ys, color=color, alpha=0.2, lw=0.8)
+            ax.plot(xs, ema(ys), color=color, lw=1.6, label=name)
+            val = _validation(metrics, name)
+            if val:
+                ax.plot([ends.get(e, 0) for e, _ in val], [v for _, v in val], "o", color=color, ms=5,
+                        markeredgecolor="black", markeredgewidth=0.5)
+    ax1.set_title("training loss\n(EMA over faint raw steps; dots: held-out, per epoch)", fontsize=9)
+    ax1.set(xlabel="step")
     ax1.legend(fontsize=7)
-    for name, pts in sorted(_series(metrics, "full_acc").items()):
-        ax2.plot([p[0] for p in pts], [p[1] for p in pts], label=name)
-    ax2.set(title="per-step accuracy (teacher forced)", xlabel="step", ylim=(0, 1))
+    ax2.set_title("accuracy per draft step, teacher forced\n(EMA; dots: held-out, per epoch)", fontsize=9)
+    ax2.set(xlabel="step", ylim=(0, 1))
     ax2.legend(fontsize=7)
     sel = (report.get("train") or {}).get("selection") or {}
     per_epoch = {int(e): v for e, v in (sel.get("per_epoch") or {}).items()}
@@ -49,7 +86,11 @@ def write_report(report: dict, metrics: list[dict]) -> dict[str, bytes]:
         ax3.plot([sel["epoch"]], [per_epoch[sel["epoch"]]], marker="*", markersize=14, color="tab:red",
                  label=f"exported: epoch {sel['epoch']}")
         ax3.legend(fontsize=7)
-    ax3.set(title="held-out tau estimate per epoch", xlabel="epoch")
+        for ax in (ax1, ax2):  # where the exported epoch ends on the step axes
+            if sel["epoch"] in ends:
+                ax.axvline(ends[sel["epoch"]], color="tab:red", lw=0.8, ls="--")
+    ax3.set_title("held-out tau estimate per epoch\n(red: the exported epoch)", fontsize=9)
+    ax3.set(xlabel="epoch")
     files["training.png"] = _png(fig)
     plt.close(fig)
     # 2. per-position acceptance, trained vs untrained
@@ -94,7 +135,8 @@ def write_report(report: dict, metrics: list[dict]) -> dict[str, bytes]:
         "| measure | value |", "|---|---|",
         f"| acceptance length tau (k={k}, greedy chain) | **{report['acceptance_length']:.3f}** |",
         f"| untrained draft, same loop | {base:.3f} |" if base is not None else "| untrained draft | not run |",
-        f"| teacher-forced estimate (training metrics) | {tf:.3f} |" if tf is not None else "| teacher-forced estimate | n/a |",
+        (f"| teacher-forced estimate of the exported epoch (training metrics) | {tf:.3f} |" if tf is not None
+         else "| teacher-forced estimate | n/a |"),
         f"| per-position acceptance | {per} |",
         *([f"| checkpoint | epoch {sel['epoch']} of {sel.get('last_epoch', sel['epoch']) + 1}: {sel['by']} |"]
           if (sel := (report.get("train") or {}).get("selection")) else []), "",
