@@ -14,13 +14,18 @@ import re
 import shutil
 import subprocess
 import time
+from datetime import UTC
 from enum import IntEnum
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import yaml
 
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
 from eagle_jobs.progress import console
+
+if TYPE_CHECKING:
+    from kubernetes.client import V1Pod
 
 GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 FIELD_MANAGER = "eagle-jobs"
@@ -51,7 +56,8 @@ def jobset_name(run_id: str) -> str:
     name = re.sub(r"[^a-z0-9-]+", "-", f"eagle-jobs-{run_id}".lower()).strip("-")
     if len(name) > MAX_JOBSET_NAME:
         raise BadInput(f"run id '{run_id}' is too long for a JobSet name "
-                       f"(max {MAX_JOBSET_NAME - len('eagle-jobs-')} characters): JobSet's webhook would reject its pods")
+                       f"(max {MAX_JOBSET_NAME - len('eagle-jobs-')} characters): "
+                       "JobSet's webhook would reject its pods")
     return name
 
 
@@ -95,7 +101,8 @@ def pin_images(docs: list[dict], images: dict[str, str]) -> list[dict]:
                            "as the CI build reports it")
     text = json.dumps(docs)
     for name, ref in images.items():
-        text = re.sub(rf'"image": "{re.escape(IMAGE_NAMES[name])}(:[^"@]+)?(@sha256:[0-9a-f]+)?"', f'"image": "{ref}"', text)
+        text = re.sub(rf'"image": "{re.escape(IMAGE_NAMES[name])}(:[^"@]+)?(@sha256:[0-9a-f]+)?"', f'"image": "{ref}"',
+                      text)
     return json.loads(text)
 
 
@@ -197,13 +204,15 @@ def apply(api, docs: list[dict]) -> list[str]:
         except ApiException as e:
             msg = _status_message(e)
             if e.status == 409:
-                raise BadInput(f"submit: {kind}/{name} is managed by someone else ({msg}); delete it or use another run id") from None
+                raise BadInput(f"submit: {kind}/{name} is managed by someone else ({msg}); "
+                               "delete it or use another run id") from None
             # the API server's own words: a schema or webhook refusal (an older JobSet's webhook answers 403),
             # an immutable spec (resubmitting a run id with another one), ...: never a guess at the cause
             if e.status == 422 or msg.startswith("admission webhook "):
                 raise BadInput(f"submit: the API server refused {kind}/{name} ({e.status}): {msg}") from None
             if e.status in (401, 403):
-                raise EagleJobsError(f"submit: not allowed to apply {kind}/{name} in {ns} ({msg}): bind the submitter Role of k8s/cluster-setup") from None
+                raise EagleJobsError(f"submit: not allowed to apply {kind}/{name} in {ns} ({msg}): "
+                                     "bind the submitter Role of k8s/cluster-setup") from None
             raise
         done.append(f"{kind}/{name}")
     return done
@@ -274,12 +283,19 @@ def own_configmaps(api, docs: list[dict], js: dict) -> None:
     """The run's ConfigMaps, applied before the JobSet (its pods read them), then given the JobSet as owner
     (its uid exists only now; the client returns no body for apply's 201 Created, so it is read back): the
     garbage collector deletes them with it, at its TTL or on delete."""
+    md = js["metadata"]
+    live = read_jobset(api, md["namespace"], md["name"])
+    owner = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "JobSet", "name": md["name"], "uid": live["metadata"]["uid"]}
+    apply(api, [{**d, "metadata": {**d["metadata"], "ownerReferences": [owner]}}
+                for d in docs if d["kind"] == "ConfigMap"])
+
+
+def read_jobset(api, namespace: str, name: str) -> dict:
+    """The JobSet as the API server returns it: its JSON object (the client types a custom object as `object`)."""
     from kubernetes import client
 
-    md = js["metadata"]
-    live = client.CustomObjectsApi(api).get_namespaced_custom_object(GROUP, VERSION, md["namespace"], PLURAL, md["name"])
-    owner = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "JobSet", "name": md["name"], "uid": live["metadata"]["uid"]}
-    apply(api, [{**d, "metadata": {**d["metadata"], "ownerReferences": [owner]}} for d in docs if d["kind"] == "ConfigMap"])
+    return cast(dict, client.CustomObjectsApi(api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                                                name))
 
 
 # -- status ------------------------------------------------------------------------------
@@ -297,7 +313,7 @@ def stage_states(api, namespace: str, run_id: str) -> dict:
 
     name = jobset_name(run_id)
     try:
-        js = client.CustomObjectsApi(api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        js = read_jobset(api, namespace, name)
     except ApiException as e:
         if e.status == 404:
             return {"jobset": name, "state": "NotFound", "stages": {}}
@@ -308,10 +324,13 @@ def stage_states(api, namespace: str, run_id: str) -> dict:
     names = [rj["name"] for rj in (js.get("spec") or {}).get("replicatedJobs") or []] or STAGES
     stages: dict = {s: {"state": "Waiting"} for s in names}
     for j in jobs:
+        # a listed Job always has metadata and status (the client's OpenAPI models type every field Optional)
+        st = j.status
+        if j.metadata is None or st is None:
+            continue
         stage = (j.metadata.labels or {}).get("jobset.sigs.k8s.io/replicatedjob-name")
         if stage not in stages:
             continue
-        st = j.status
         conds = {c.type: c for c in (st.conditions or []) if c.status == "True"}
         state = "Running"
         if "Complete" in conds:
@@ -335,16 +354,17 @@ def stage_states(api, namespace: str, run_id: str) -> dict:
     for stage, pods in pod_states(api, namespace, name).items():
         if stage in stages:
             stages[stage]["pods"] = pods
-    return {"jobset": name, "state": state, "stages": stages, "resource_version": js["metadata"].get("resourceVersion")}
+    return {"jobset": name, "state": state, "stages": stages,
+            "resource_version": js["metadata"].get("resourceVersion")}
 
 
 def _age(ts) -> str:
     """'12m' since a timestamp the client parsed (None: unknown)."""
     if ts is None:
         return "?"
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    s = int((datetime.now(timezone.utc) - ts).total_seconds())
+    s = int((datetime.now(UTC) - ts).total_seconds())
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
@@ -391,6 +411,11 @@ def pod_state(p) -> tuple[str, str]:
     return phase, st.reason or ""
 
 
+def _name(obj: V1Pod) -> str:
+    """A listed pod's name: always set (the client's OpenAPI models type every field Optional)."""
+    return obj.metadata.name if obj.metadata and obj.metadata.name else ""
+
+
 def pod_states(api, namespace: str, jobset: str) -> dict[str, list[dict]]:
     """Per stage, each pod's name, phase and why."""
     from kubernetes import client
@@ -398,10 +423,10 @@ def pod_states(api, namespace: str, jobset: str) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     pods = client.CoreV1Api(api).list_namespaced_pod(
         namespace, label_selector=f"jobset.sigs.k8s.io/jobset-name={jobset}").items
-    for p in sorted(pods, key=lambda p: p.metadata.name):
-        stage = (p.metadata.labels or {}).get("jobset.sigs.k8s.io/replicatedjob-name", "?")
+    for p in sorted(pods, key=_name):
+        stage = ((p.metadata.labels if p.metadata else None) or {}).get("jobset.sigs.k8s.io/replicatedjob-name", "?")
         phase, why = pod_state(p)
-        out.setdefault(stage, []).append({"name": p.metadata.name, "phase": phase, "why": why})
+        out.setdefault(stage, []).append({"name": _name(p), "phase": phase, "why": why})
     return out
 
 
@@ -440,7 +465,10 @@ def failure_exit(api, namespace: str, run_id: str, states: dict) -> WatchExit:
         namespace, label_selector=f"jobset.sigs.k8s.io/jobset-name={states['jobset']}").items
     codes = set()
     for p in pods:
-        for cs in (p.status.container_statuses or []) + (p.status.init_container_statuses or []):
+        st = p.status
+        if st is None:  # always set on a listed pod (typed Optional by the client, as every field)
+            continue
+        for cs in (st.container_statuses or []) + (st.init_container_statuses or []):
             term = cs.state.terminated if cs.state else None
             if cs.name in FAILING_CONTAINERS and term is not None and term.exit_code:
                 codes.add(term.exit_code)
@@ -497,7 +525,8 @@ def watch(api, namespace: str, run_id: str, timeout_s: float | None = None, stor
           heartbeat_s: float = HEARTBEAT_S) -> WatchExit:
     """Follow the JobSet until it finishes; survives dropped watches and 410 Gone. A table on every
     change of a stage or pod state; between changes, a heartbeat line every heartbeat_s."""
-    from kubernetes import client, watch as kwatch
+    from kubernetes import client
+    from kubernetes import watch as kwatch
     from kubernetes.client.exceptions import ApiException
 
     deadline = time.monotonic() + timeout_s if timeout_s else None
@@ -510,9 +539,10 @@ def watch(api, namespace: str, run_id: str, timeout_s: float | None = None, stor
         states = stage_states(api, namespace, run_id)
         if states["state"] == "NotFound":
             return WatchExit.GONE
-        summary = (states["state"], tuple(sorted((k, v["state"], tuple((p["name"], p["phase"], p["why"].split(" for ")[0])
-                                                                      for p in v.get("pods", [])))
-                                                 for k, v in states["stages"].items())))
+        # a pod's "starting for 3m" changes every poll: its age is not a change
+        pod_keys = {k: tuple((p["name"], p["phase"], p["why"].split(" for ")[0]) for p in v.get("pods", []))
+                    for k, v in states["stages"].items()}
+        summary = (states["state"], tuple(sorted((k, v["state"], pod_keys[k]) for k, v in states["stages"].items())))
         if summary != last:
             print_status(states, store_progress(store, run_id) if store is not None else None)
             last, spoke = summary, time.monotonic()
@@ -570,13 +600,13 @@ def logs(api, namespace: str, run_id: str, stage: str | None = None, tail: int |
             raise
 
     out = []
-    for p in sorted(core.list_namespaced_pod(namespace, label_selector=sel).items, key=lambda p: p.metadata.name):
-        name = p.metadata.name
+    for p in sorted(core.list_namespaced_pod(namespace, label_selector=sel).items, key=_name):
+        name = _name(p)
         text = read(name, "worker")
         if text is not None:
             out.append(f"==> {name} [worker] <==\n{text}")
             continue
-        for c in (c.name for c in p.spec.init_containers or []):
+        for c in (c.name for c in (p.spec.init_containers if p.spec else None) or []):
             text = read(name, c)
             if text is not None:
                 out.append(f"==> {name} [{c}] <==\n{text}")
@@ -597,6 +627,6 @@ def pod_events(core, namespace: str, pod: str) -> str:
             return "  (events not readable: bind the submitter Role of k8s/cluster-setup, which may list events)"
         raise
     evs.sort(key=lambda e: str(e.last_timestamp or e.event_time or e.metadata.creation_timestamp or ""))
-    lines = [f"  {e.type or '':8} {e.reason or '':22} {(e.message or '').strip()}" + (f" (x{e.count})" if (e.count or 1) > 1 else "")
-             for e in evs]
+    lines = [f"  {e.type or '':8} {e.reason or '':22} {(e.message or '').strip()}"
+             + (f" (x{e.count})" if (e.count or 1) > 1 else "") for e in evs]
     return "\n".join(["  events:"] + lines) if lines else "  events: none"
