@@ -58,11 +58,10 @@ def run_arm(recipe: Recipe, store: Store, run_id: str, name: str, train_only: bo
 
 def arm_row(store: Store, run_id: str, name: str, recipe: Recipe) -> dict:
     """One line of the table from what the arm committed (its report and training record)."""
-    stage = Stage(store, run_id, eval_dir(name))
-    m = stage.manifest("report")
+    stage, train = Stage(store, run_id, eval_dir(name)), Stage(store, run_id, train_dir(name))
+    m, fm = stage.manifest("report"), train.manifest("final")
+    assert m is not None and fm is not None, "only arms whose evaluation is complete come here: both are committed"
     report = json.loads(stage.read("report.json", m["files"]["report.json"]))
-    train = Stage(store, run_id, train_dir(name))
-    fm = train.manifest("final")
     record = json.loads(train.read("final/train_config.json", fm["files"]["final/train_config.json"]))
     over = recipe.variants[name].model_dump() if name != BASE_VARIANT else {}
     sets = {}

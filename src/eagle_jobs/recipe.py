@@ -15,6 +15,7 @@ from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 from eagle_jobs.errors import BadInput
 
@@ -232,7 +233,7 @@ class LossSpec(Section):
             raise ValueError(f"eta is lk_hybrid's parameter; this loss is {self.spec()}")
         return self
 
-    def terms(self) -> dict[str, float]:
+    def terms(self) -> dict[LossName, float]:
         return dict(self.weights) if self.weights else {self.name: 1.0}
 
     def spec(self) -> str:
@@ -460,7 +461,7 @@ class Recipe(Section):
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _loc(err: dict) -> str:
+def _loc(err: ErrorDetails) -> str:
     return ".".join(str(p) for p in err["loc"]) or "<top level>"
 
 

