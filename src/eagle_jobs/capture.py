@@ -13,7 +13,9 @@ import contextlib
 import heapq
 import itertools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -125,7 +127,8 @@ class TransformersBackend:
 
     def _template(self, messages: list[dict]) -> list[int]:
         out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **self.kw)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        # tokenize=True gives one conversation's ids, or a BatchEncoding (a mapping) holding them
+        return list(cast("list[int]", out["input_ids"] if isinstance(out, Mapping) else out))
 
     def _generate(self, batch: list[list[int]], max_new: int) -> list[tuple[list[int], str]]:
         pad = self.tok.pad_token_id
@@ -145,7 +148,9 @@ class TransformersBackend:
         off = dict.fromkeys(("temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
                              "no_repeat_ngram_size"))
         with torch.inference_mode():
-            out = self.v.model.generate(
+            # a false positive: transformers annotates generate's self as a Protocol written for the `ty` checker,
+            # which no model loaded by AutoModelForCausalLM meets under mypy
+            out = self.v.model.generate(  # type: ignore[misc]
                 input_ids=ids, attention_mask=att, max_new_tokens=max_new, do_sample=False, **off,
                 logits_processor=LogitsProcessorList([sampler]),
                 pad_token_id=pad, eos_token_id=sorted(self.eos),
@@ -195,7 +200,9 @@ class TransformersBackend:
                 longest = max(len(p) for _, p in batch)
                 max_new = max(1, min(self.sampling["max_tokens"], lim.max_seq_len - longest))
                 for (t, prompt), (comp, reason) in zip(batch, self._generate([p for _, p in batch], max_new)):
-                    text = self.tok.decode([x for x in comp if x not in self.eos], skip_special_tokens=r.chat.reasoning_parser is None)
+                    # one sequence's ids decode to one string (decode is annotated str | list[str])
+                    text = cast(str, self.tok.decode([x for x in comp if x not in self.eos],
+                                                     skip_special_tokens=r.chat.reasoning_parser is None))
                     reasoning, content = parse_reasoning(text, r.chat.reasoning_parser, r.chat.thinking)
                     g = Generation(prompt, comp, reasoning, content, reason)
                     rows.append(make_row(r, t, g))
@@ -373,7 +380,8 @@ def run_capture(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
                "skipped_too_long": totals.skipped_too_long, "reused_conversations": totals.reused}
     done = stage.mark_worker_done(idx, n, summary)
     if totals.skipped_too_long:
-        console.print(f"  skipped {totals.skipped_too_long} turns longer than limits.max_prompt_tokens or the server's max-model-len")
+        console.print(f"  skipped {totals.skipped_too_long} turns longer than limits.max_prompt_tokens "
+                      "or the server's max-model-len")
     console.print(f"  capture {'complete' if done else 'worker done'}: {store.url(stage.prefix)}")
     return summary
 

@@ -22,7 +22,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Train EAGLE-3 drafts for very large verifiers: capture -> extract -> train -> evaluate.")
 
 RecipeOpt = Annotated[Path, typer.Option("--recipe", "-r", help="jobs/<name>.yaml")]
-StoreOpt = Annotated[Optional[str], typer.Option("--store", help="file://... or s3://bucket/prefix (default: the recipe's)")]
+StoreOpt = Annotated[Optional[str], typer.Option("--store",
+                                                 help="file://... or s3://bucket/prefix (default: the recipe's)")]
 
 
 def _run_id_option(value: str | None) -> str | None:
@@ -38,14 +39,16 @@ def _run_id_argument(value: str | None) -> str | None:
     return None if value is None else check_run_id(value, "RUN_ID")
 
 
-RunOpt = Annotated[Optional[str], typer.Option("--run-id", help="run id (default: $EAGLE_JOBS_RUN_ID, else the recipe's)",
+RunOpt = Annotated[Optional[str], typer.Option("--run-id",
+                                               help="run id (default: $EAGLE_JOBS_RUN_ID, else the recipe's)",
                                                callback=_run_id_option)]
 RunIdArg = Annotated[str, typer.Argument(help="the run id", callback=_run_id_argument)]
 IndexOpt = Annotated[Optional[int], typer.Option("--shard-index", help="this worker (default: $JOB_COMPLETION_INDEX)")]
 VariantOpt = Annotated[Optional[str], typer.Option(help="one arm of `compare` (recipe variants)")]
 MinSpeedupOpt = Annotated[Optional[float], typer.Option(
     help="require this speedup at concurrency 1 on every prompt set (default: the recipe's evaluate.min_speedup)")]
-NumOpt = Annotated[Optional[int], typer.Option("--num-shards", help="number of workers (default: $EAGLE_JOBS_NUM_SHARDS)")]
+NumOpt = Annotated[Optional[int], typer.Option("--num-shards",
+                                               help="number of workers (default: $EAGLE_JOBS_NUM_SHARDS)")]
 
 
 def _context(recipe_path: Path, store: str | None, run_id: str | None):
@@ -191,7 +194,8 @@ def plan(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None, scale
 @app.command()
 def inspect(checkpoint: Annotated[str, typer.Argument(help="checkpoint directory or store URI")],
             reference: Annotated[Optional[Path], typer.Option(help="reference config.json to compare with")] = None,
-            verifier_layers: Annotated[Optional[int], typer.Option(help="verifier layer count (default: from its config)")] = None):
+            verifier_layers: Annotated[Optional[int],
+                                       typer.Option(help="verifier layer count (default: from its config)")] = None):
     """Print a draft checkpoint and check it against what vLLM's EAGLE-3 loader needs."""
     from eagle_jobs.checkpoint_check import run_inspect
 
@@ -200,7 +204,8 @@ def inspect(checkpoint: Annotated[str, typer.Argument(help="checkpoint directory
 
 
 NsOpt = Annotated[str, typer.Option("--namespace", "-n", help="namespace of the pipeline")]
-KubeOpt = Annotated[Optional[str], typer.Option("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, in-cluster)")]
+KubeOpt = Annotated[Optional[str], typer.Option("--kubeconfig",
+                                                help="kubeconfig file (default: $KUBECONFIG, in-cluster)")]
 
 
 @app.command()
@@ -408,7 +413,8 @@ def main() -> None:
         print("eagle-jobs: interrupted", file=sys.stderr)
         sys.exit(int(ExitCode.CANCELLED))
     except _click_errors() as e:
-        if type(e).__name__ == "NoArgsIsHelpError":  # bare `eagle-jobs`: the help is the answer
+        # bare `eagle-jobs`: the help is the answer (the error's show() prints it)
+        if type(e).__name__ == "NoArgsIsHelpError" and hasattr(e, "show"):
             e.show()
             sys.exit(int(ExitCode.USAGE))
         print(_usage_line(e), file=sys.stderr)

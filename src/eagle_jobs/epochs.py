@@ -80,7 +80,8 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
 # -- what is ranked, and on what -----------------------------------------------------------------
 def check_servable(recipe: Recipe) -> None:
     """Refused before any training: one server per epoch needs servers this process starts."""
-    if recipe.evaluate.backend == "vllm" and (recipe.evaluate.vllm.endpoint or os.environ.get("EAGLE_JOBS_VLLM_ENDPOINT")):
+    external = recipe.evaluate.vllm.endpoint or os.environ.get("EAGLE_JOBS_VLLM_ENDPOINT")
+    if recipe.evaluate.backend == "vllm" and external:
         raise BadInput("ranking epochs by served tau starts one vLLM server per epoch checkpoint, and an external "
                        "endpoint (evaluate.vllm.endpoint / $EAGLE_JOBS_VLLM_ENDPOINT, the vllm-sidecar component) "
                        "serves one draft: unset it, or set train.select_by: estimate")
@@ -260,7 +261,8 @@ def report_md(report: dict) -> str:
     summary = (f"Spearman's rank correlation (estimate vs served tau): {_num(report['spearman'])}. "
                f"Best served: epoch {report['best_served_epoch']}; best estimate: epoch {report['best_estimate_epoch']}"
                f" ({'the same' if report['agree'] else 'they differ'}). Served ranking: "
-               f"{report['served_ranking_wall_s']:.0f} s in all ({report['served_now_wall_s']:.0f} s served by this run).")
+               f"{report['served_ranking_wall_s']:.0f} s in all "
+               f"({report['served_now_wall_s']:.0f} s served by this run).")
     out += ["", summary, "", "\\* the epoch `train.select_by: served` exports."]
     return "\n".join(out) + "\n"
 
@@ -299,7 +301,8 @@ def select_served(recipe: Recipe, store: Store, run_id: str, variant: str | None
         "served_tau": served[str(best)], "per_epoch_served": served,
         "per_epoch": {str(r["epoch"]): r["teacher_forced_estimate"] for r in report["epochs"]},
         "spearman": report["spearman"], "served_ranking_wall_s": report["served_ranking_wall_s"],
-        "report": report["report_path"], "estimate_selection": cfg.get("selection"), "last_epoch": max(map(int, served)),
+        "report": report["report_path"], "estimate_selection": cfg.get("selection"),
+        "last_epoch": max(map(int, served)),
     }
     work = Path(tempfile.mkdtemp(prefix="eagle-select-"))
     try:

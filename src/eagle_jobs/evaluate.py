@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, cast
 
 import torch
 
@@ -65,9 +66,10 @@ class Acceptance:
 def load_draft(path: Path, verifier_path: str, untrained: bool = False, seed: int = 0):
     """The trained draft from its checkpoint, or the same architecture untrained (baseline)."""
     from safetensors import safe_open
-    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    config = Eagle3DraftModel.config_class.from_pretrained(str(path))
+    # an Eagle3SpeculatorConfig (the class's config_class), though from_pretrained is annotated with the base class
+    config = cast(Eagle3SpeculatorConfig, Eagle3DraftModel.config_class.from_pretrained(str(path)))
     config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 - never serialized
     config.speculators_config.verifier.name_or_path = verifier_path
     if not untrained:
@@ -140,7 +142,8 @@ class DraftProposer:
         h, tok = self._step(ids, self._fuse(aux[:, a:n]), pos, torch.arange(a, n), mask)
         out = [tok]
         for step in range(1, k):  # one query at the last position, seeing every cached key
-            h, tok = self._step(torch.tensor([[tok]]), h, torch.tensor([[n + step]]), torch.tensor([n + step - 1]), None)
+            h, tok = self._step(torch.tensor([[tok]]), h, torch.tensor([[n + step]]), torch.tensor([n + step - 1]),
+                                None)
             out.append(tok)
         if k > 1:
             self.cache.crop(-(k - 1))  # drop the TTT steps' keys
@@ -148,7 +151,14 @@ class DraftProposer:
         return out
 
 
-def speculative_generate(verifier, proposer: DraftProposer | None, aux_ids: list[int], prompt: list[int],
+class Proposer(Protocol):
+    """What speculative_generate drafts with: a DraftProposer, or a stand-in with propose() alone (reset() is
+    called where there is one)."""
+
+    def propose(self, aux: torch.Tensor, next_ids: list[int], k: int) -> list[int]: ...
+
+
+def speculative_generate(verifier, proposer: Proposer, aux_ids: list[int], prompt: list[int],
                          k: int, max_new: int, eos: set[int], acc: Acceptance) -> list[int]:
     """Greedy chain speculative decoding; returns the generated ids (stopping at EOS, inclusive)."""
     from transformers import DynamicCache
@@ -294,7 +304,9 @@ def parse_spec_metrics(text: str) -> dict:
             continue
         name, labels, val = m.group(1), m.group(2) or "", float(m.group(3))
         if name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            pos = int(re.search(r'position="(\d+)"', labels).group(1))
+            pos_label = re.search(r'position="(\d+)"', labels)
+            assert pos_label is not None, f"vLLM labels each per-position count with its position: {line}"
+            pos = int(pos_label.group(1))
             out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + val
         else:
             out[name.removeprefix("vllm:spec_decode_")] = out.get(name.removeprefix("vllm:spec_decode_"), 0.0) + val
@@ -303,7 +315,8 @@ def parse_spec_metrics(text: str) -> dict:
 
 def serve_args(recipe: Recipe, draft_dir: Path) -> list[str]:
     """What evaluate adds to `vllm serve`: the draft, as EAGLE-3 speculative decoding."""
-    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": recipe.evaluate.num_speculative_tokens}
+    spec = {"method": "eagle3", "model": str(draft_dir),
+            "num_speculative_tokens": recipe.evaluate.num_speculative_tokens}
     return ["--speculative-config", json.dumps(spec)]
 
 
@@ -363,9 +376,9 @@ def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[lis
             accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
             per_pos = [(after["per_pos"].get(i, 0) - before["per_pos"].get(i, 0)) / drafts if drafts else 0.0
                        for i in range(k)]
-            out[name] = {"acceptance_length": 1 + accepted / drafts if drafts else 1.0, "per_position_acceptance": per_pos,
-                         "rounds": int(drafts), "tokens_generated": tokens, "outputs": [], "speed": speed.get(name),
-                         "speed_wall_s": speed_wall_s}
+            out[name] = {"acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+                         "per_position_acceptance": per_pos, "rounds": int(drafts), "tokens_generated": tokens,
+                         "outputs": [], "speed": speed.get(name), "speed_wall_s": speed_wall_s}
     return out
 
 
@@ -529,7 +542,8 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
                   + ", ".join(f"{name} ({len(m)} prompts)" for name, m in sets.items()))
     res, base, speed = measure_sets(recipe, draft_dir, sets, work)
     per_set = {name: {
-        "acceptance_length": res[name]["acceptance_length"], "per_position_acceptance": res[name]["per_position_acceptance"],
+        "acceptance_length": res[name]["acceptance_length"],
+        "per_position_acceptance": res[name]["per_position_acceptance"],
         "num_prompts": len(m), "skipped_too_long": too_long[name],
         "tokens_generated": res[name]["tokens_generated"], "verifier_forwards": res[name]["rounds"],
         "baseline_acceptance_length": base[name]["acceptance_length"] if name in base else None,

@@ -89,7 +89,8 @@ class HookCapture:
 
 
 def batches_by_tokens(rows: list[dict], batch_tokens: int) -> list[list[dict]]:
-    out, cur = [], []
+    out: list[list[dict]] = []
+    cur: list[dict] = []
     for r in sorted(rows, key=lambda r: len(r["input_ids"])):
         if cur and (len(cur) + 1) * len(r["input_ids"]) > batch_tokens:
             out.append(cur)
@@ -124,7 +125,8 @@ class TransformersExtractor:
         self.v = load_verifier(recipe.verifier)
         self.hook = HookCapture(self.v.model, recipe.aux_layer_ids)
 
-    def states(self, rows: list[dict], advance) -> dict[str, torch.Tensor]:
+    def states(self, rows: list[dict], advance) -> dict[str, tuple[torch.Tensor, list[int]]]:
+        """row_id -> (its [T, L, H] states, the token ids they are for)."""
         out = {}
         for b in batches_by_tokens(rows, self.recipe.extract.batch_tokens):
             for r, hs in zip(b, forward_batch(self.v.model, b, self.hook)):

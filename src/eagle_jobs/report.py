@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import io
 import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.typing import ColorType
 
 
 def _png(fig) -> bytes:
@@ -182,7 +186,8 @@ def _speedup_table(report: dict) -> list[str]:
             w, wo = lv["with_draft"], lv["without_draft"]
             rows.append(f"| {name} | {lv['concurrency']} | {lv['requests']} | {w['output_tokens_per_s']:.1f} | "
                         f"{wo['output_tokens_per_s']:.1f} | **{lv['speedup']:.2f}x** | "
-                        f"{w['ttft_s_mean']:.3f} / {w['ttft_s_p50']:.3f} s | {wo['ttft_s_mean']:.3f} / {wo['ttft_s_p50']:.3f} s |")
+                        f"{w['ttft_s_mean']:.3f} / {w['ttft_s_p50']:.3f} s | "
+                        f"{wo['ttft_s_mean']:.3f} / {wo['ttft_s_p50']:.3f} s |")
     above = [f"{name} at concurrency {lv['concurrency']}" for name, sp in sets.items() for lv in sp["levels"]
              if lv["speedup"] > report["prompt_sets"][name]["acceptance_length"]]
     if above:  # each verifier forward yields τ tokens on average and costs at least a plain decode step
@@ -190,7 +195,8 @@ def _speedup_table(report: dict) -> list[str]:
                  "machine's load changed between the two servers' passes. Rerun on an otherwise idle machine, or "
                  "time more requests (evaluate.speedup_requests)."]
     if report.get("min_speedup") is not None:
-        rows += ["", f"promote requires a speedup of at least {report['min_speedup']:.2f}x at concurrency 1 on every set."]
+        rows += ["", f"promote requires a speedup of at least {report['min_speedup']:.2f}x "
+                     "at concurrency 1 on every set."]
     return [*rows, ""]
 
 
@@ -203,7 +209,7 @@ def _speedup_png(report: dict) -> bytes | None:
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     levels = sorted({lv["concurrency"] for sp in sets.values() for lv in sp["levels"]})
-    points: dict[int, list[tuple[float, str]]] = {}
+    points: dict[int, list[tuple[float, ColorType]]] = {}
     for name, sp in sets.items():
         xs, ys = [lv["concurrency"] for lv in sp["levels"]], [lv["speedup"] for lv in sp["levels"]]
         line, = ax.plot(xs, ys, marker="o", label=name)

@@ -90,7 +90,7 @@ def _dataset_class():
         def __init__(self, store_uri: str, run_id: str, items: list[tuple[str, str, dict]], stage_root: str,
                      max_len: int, dtype: torch.dtype):
             self.store_uri, self.run_id, self.items, self.stage_root = store_uri, run_id, items, stage_root
-            self._store = None
+            self._store: Store | None = None
             super().__init__(max_len, dtype)
 
         def _compute_approx_lengths(self):
@@ -395,7 +395,7 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     stager = ShardStager(store, run_id, info["manifests"], work / "stage", recipe.train.local_stage_bytes)
     if get_local_rank() == 0:  # one stager per node; the other ranks read what it staged
         stager.start()
-    items = {"train": [], "validation": []}
+    items: dict[str, list[tuple[str, str, dict]]] = {"train": [], "validation": []}
     for m in info["manifests"]:
         (fname, finfo), = m["files"].items()
         for e in m["samples"]:
@@ -534,6 +534,7 @@ def export_final(stage: Stage, ckpt: Path, record: dict, recipe: Recipe, meta: d
     objects["train_config.json"] = json.dumps({k: v for k, v in record.items() if k != "metrics"}, indent=1).encode()
     objects["metrics.json"] = json.dumps(record["metrics"]).encode()
     objects["recipe.json"] = json.dumps(recipe.model_dump(mode="json"), indent=1).encode()  # lineage
-    stage.commit_shard("final", {f"final/{k}": v for k, v in objects.items()}, {"epoch": int(ckpt.name), **(meta or {})})
+    stage.commit_shard("final", {f"final/{k}": v for k, v in objects.items()},
+                       {"epoch": int(ckpt.name), **(meta or {})})
     stage.complete({"final": stage.store.url(stage.key("data/final"))})
     console.print(f"  final draft: {stage.store.url(stage.key('data/final'))}")

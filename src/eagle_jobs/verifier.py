@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from eagle_jobs.errors import BadInput
 from eagle_jobs.recipe import VerifierSpec
@@ -53,10 +53,15 @@ def load_tokenizer(spec: VerifierSpec):
     return tok
 
 
+if TYPE_CHECKING:
+    # what AutoModelForCausalLM.from_pretrained is annotated to return: a PreTrainedModel with GenerationMixin
+    from transformers.models.auto.modeling_auto import _BaseModelWithGenerate as CausalLM
+
+
 @dataclass
 class LoadedVerifier:
-    model: PreTrainedModel
-    tokenizer: object
+    model: CausalLM
+    tokenizer: PreTrainedTokenizerBase
     config: PretrainedConfig  # the text config
     path: str
 
@@ -82,7 +87,7 @@ def load_verifier_uncached(spec: VerifierSpec) -> LoadedVerifier:
     tcfg = text_config(config)
     dtype = getattr(torch, spec.dtype)
     tok = load_tokenizer(spec)
-    model: PreTrainedModel
+    model: CausalLM
     if tcfg is config:
         model = AutoModelForCausalLM.from_pretrained(
             path, revision=spec.revision, trust_remote_code=spec.trust_remote_code, dtype=dtype
@@ -99,7 +104,7 @@ def load_verifier_uncached(spec: VerifierSpec) -> LoadedVerifier:
         # transformers' own loader with the prefix mapped away: it also fuses the checkpoint's
         # per-expert MoE weights into its grouped layout; the vision tower's keys are left unread
         # output_loading_info=True returns (model, info); transformers' annotation names the model alone
-        model, info = cast(tuple[PreTrainedModel, dict],
+        model, info = cast("tuple[CausalLM, dict]",
                            AutoModelForCausalLM.from_pretrained(local, config=tcfg, key_mapping=TEXT_KEY_MAPPING,
                                                                 dtype=dtype, output_loading_info=True))
         missing = set(info["missing_keys"])

@@ -45,7 +45,8 @@ def wait_healthy(base: str, timeout_s: float, proc: subprocess.Popen | None = No
         except httpx.HTTPError as e:
             last = type(e).__name__
         time.sleep(min(2.0, max(0.05, deadline - time.monotonic())))
-    raise Unavailable(f"server {base} not healthy after {timeout_s:.0f}s ({last}): check the server log, or raise health_timeout_s in the recipe")
+    raise Unavailable(f"server {base} not healthy after {timeout_s:.0f}s ({last}): check the server log, "
+                      "or raise health_timeout_s in the recipe")
 
 
 def serve_command(spec: VllmServerSpec, verifier: VerifierSpec, stage_args: list[str] | None = None) -> list[str]:
@@ -217,7 +218,8 @@ def check_served_model(base: str, expected: set[str], given: bool) -> None:
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
         raise Unavailable(f"{base}/v1/models: no model list ({type(e).__name__}): is this a vLLM server?") from None
     if not set(served) & expected:
-        msg = f"{base} serves {', '.join(served) or 'no model'}, not this recipe's verifier ({', '.join(sorted(expected))})"
+        msg = (f"{base} serves {', '.join(served) or 'no model'}, "
+               f"not this recipe's verifier ({', '.join(sorted(expected))})")
         if given:
             raise BadInput(f"{msg}: point <stage>.vllm.endpoint (or $EAGLE_JOBS_VLLM_ENDPOINT) at a server of it")
         raise Unavailable(f"{msg}: another server answered on this stage's port")
@@ -241,8 +243,8 @@ def _guarded(exe: str, cmd: list[str], env: dict[str, str], log: Path):
     with open(log, "ab") as out:
         out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
         out.flush()
-        guard = subprocess.Popen([sys.executable, "-m", "eagle_jobs.vllm_guard", str(GUARD_GRACE_S), "--", exe, *cmd[1:]],
-                                 stdin=read_end, stdout=out, stderr=out, env=env, start_new_session=True)
+        guard_cmd = [sys.executable, "-m", "eagle_jobs.vllm_guard", str(GUARD_GRACE_S), "--", exe, *cmd[1:]]
+        guard = subprocess.Popen(guard_cmd, stdin=read_end, stdout=out, stderr=out, env=env, start_new_session=True)
     os.close(read_end)
     try:
         yield guard
