@@ -147,13 +147,15 @@ def compare(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
 
 @app.command("rank-epochs")
 def rank_epochs(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None, variant: VariantOpt = None,
-                num_prompts: Annotated[int, typer.Option(min=1, help="held-out prompts served per epoch")] = 8):
+                num_prompts: Annotated[Optional[int], typer.Option(
+                    min=1, help="held-out prompts served per epoch (default 24: epochs.DEFAULT_PROMPTS)")] = None):
     """Serve every committed epoch checkpoint on the first held-out prompts: served tau per epoch against
     training's estimate, their rank correlation and the time it took (<run>/epochs/data/report.md)."""
+    from eagle_jobs.epochs import DEFAULT_PROMPTS
     from eagle_jobs.epochs import rank_epochs as rank
 
     r, st, rid = _context(recipe, store, run_id)
-    rank(_arm(r, variant), st, rid, variant=variant, num_prompts=num_prompts)
+    rank(_arm(r, variant), st, rid, variant=variant, num_prompts=num_prompts or DEFAULT_PROMPTS)
 
 
 def _scales(text: Optional[str]) -> Optional[list[int]]:

@@ -35,7 +35,10 @@ from eagle_jobs.recipe import Recipe
 from eagle_jobs.store import Stage, Store
 
 EPOCHS = "epochs"
-DEFAULT_PROMPTS = 8  # held-out prompts served per epoch: a ranking, not a report (evaluate measures that)
+# Held-out prompts served per epoch. On the demo's base arm, 8 (6 within limits) ranked epochs 2 and 3
+# the other way round from 24 (20), whose tau for epoch 3 equals evaluate's own on those prompts; at
+# Kimi scale a verifier load, not the prompts, is the cost (docs/OPERATIONS.md).
+DEFAULT_PROMPTS = 24
 TRAIN_RECORD = "train-record"  # train's own final/ record, kept before select_served rewrites final/
 
 
