@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import uuid
@@ -184,8 +185,31 @@ K8S_MODULES = {"test_k8s", "test_k8s_compare", "test_k8s_admission", "test_k8s_f
 REAL_VLLM = {str(Path(sys.executable).parent / "vllm"), "eagle_jobs.vllm_cpu"}
 
 
+# What trains a draft: a test whose body, or a fixture it uses, calls one of these (read from the source,
+# so a new training test is in the `train` tier without anyone remembering to mark it).
+TRAINS = re.compile(r"\brun_train\(|\brun_pipeline\(|\brun_compare\(|torch\.distributed\.run|"
+                    r"[\"']train[\"'],\s*[\"']--recipe|[\"'](run|compare)[\"'],\s*[\"']--recipe")
+
+
+def _trains(item) -> bool:
+    import inspect
+
+    funcs = [getattr(item, "function", None)]
+    for defs in getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).values():
+        funcs += [d.func for d in defs]
+    for f in funcs:
+        try:
+            if f is not None and TRAINS.search(inspect.getsource(f)):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if not item.get_closest_marker("train") and _trains(item):
+            item.add_marker(pytest.mark.train)
         params = getattr(getattr(item, "callspec", None), "params", {})
         if {"moto_server", "bucket"} & set(item.fixturenames) or params.get("store_uri") == "s3":
             item.add_marker(pytest.mark.s3)
