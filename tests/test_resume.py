@@ -116,7 +116,7 @@ def read_final(stage: Stage, name: str):
 # -- issue 20 item 7: a kill costs at most one interval ---------------------------------------------
 def test_sigkill_mid_epoch_loses_at_most_one_interval_and_each_sample_is_trained_once_per_epoch(
         tiny_recipe, tmp_path, bucket):
-    every_s, epochs = 0.2, 4
+    every_s, epochs = 0.2, 12  # long enough that the kill lands mid-run on a quiet machine too
     recipe = tiny_recipe(train={"epochs": epochs, "total_seq_len": 64, "checkpoint_every_minutes": every_s / 60})
     st = _prepared(recipe, f"s3://{bucket}/runs")
     stage = Stage(st, "r", "train")
