@@ -20,9 +20,11 @@ import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import PretrainedConfig
 
 from eagle_jobs.committed import EXTRACT, TRAIN, extraction_info, read_rows, train_dir
 from eagle_jobs.draft import (
@@ -339,12 +341,46 @@ def record_rank_exit(code: int) -> None:
 def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None = None,
               work_dir: Path | None = None, variant: str | None = None) -> dict:
     """Train the run's draft on its committed extraction (or, with `variant`, one arm of `compare`)."""
-    from eagle_jobs import speculators_compat as compat
+    from speculators.train.distributed import maybe_destroy_distributed
 
     # 1. the extraction must be the one this draft expects
+    info, tcfg, shape = check_extraction(recipe, store, run_id)
+    work = Path(work_dir or os.environ.get("EAGLE_JOBS_WORK_DIR") or Path.home() / ".cache/eagle-jobs/work") / run_id
+    if variant is not None:
+        work = work / train_dir(variant)
+    started = time.time()
+    launched = launch_ranks(recipe, store, run_id, max_steps, work, variant)  # world size > 1: torchrun's ranks
+    if launched is not None:
+        return launched
+    # 2. this rank: speculators adapted, the device's attention, loss and state dtype
+    rank = RankSetup.create(recipe)
+    # 3. vocab mapping from loss-masked token frequencies
+    d2t, t2d, coverage = vocab_mapping(info, store, run_id, shape)
+    # 4. data: shards staged ahead to bounded local disk; one loader per split
+    data = TrainData.create(recipe, store, run_id, info, shape, work, rank.hs_dtype)
+    # 5. model: speculators' Eagle3DraftModel with draft.architecture's layer and draft.norms
+    model = build_draft_model(shape, recipe, tcfg, rank.attention, t2d, d2t)
+    assert next(model.fc.parameters()).dtype == torch.float32  # fp32 master weights
+    params = {"total": sum(p.numel() for p in model.parameters()),
+              "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    console.print(f"  draft parameters: {params['total']:,} total, {params['trainable']:,} trainable; "
+                  f"attention {rank.attention}, loss {rank.loss}")
+    # 6. resume from the newest committed checkpoint
+    stage = Stage(store, run_id, train_dir(variant))
+    ckpt_dir = work / "checkpoints"
+    resumed = resume_checkpoint(recipe, stage, ckpt_dir)
+    record = train_record(recipe, run_id, info, shape, rank, data, params, coverage, max_steps)
+    # 7. train, committing checkpoints; export the epoch with the best held-out tau estimate
+    fit_and_export(recipe, model, data, rank, stage, work, ckpt_dir, resumed, record, max_steps, started)
+    maybe_destroy_distributed()
+    return record
+
+
+def check_extraction(recipe: Recipe, store: Store, run_id: str) -> tuple[dict, PretrainedConfig, DraftShape]:
+    """The committed extraction's info, the verifier's text config and the draft shape, checked against each other."""
     info = extraction_info(store, run_id)
     tcfg = text_config(load_config(recipe.verifier))
-    shape: DraftShape = resolve_shape(recipe, tcfg)
+    shape = resolve_shape(recipe, tcfg)
     aux = info["layer_ids"][:-1]
     if aux != recipe.aux_layer_ids:
         raise BadInput(f"extraction of run '{run_id}' stored aux layers {aux}, the recipe's draft wants "
@@ -352,118 +388,150 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     if info["hidden_size"] != shape.hidden_size:
         raise BadInput(f"extraction hidden size {info['hidden_size']} != draft hidden size {shape.hidden_size}")
     console.print(f"[bold]train[/] draft shape: {shape.describe()}")
-    work = Path(work_dir or os.environ.get("EAGLE_JOBS_WORK_DIR") or Path.home() / ".cache/eagle-jobs/work") / run_id
-    if variant is not None:
-        work = work / train_dir(variant)
-    started = time.time()
-    launched = launch_ranks(recipe, store, run_id, max_steps, work, variant)
-    if launched is not None:
-        return launched
+    return info, tcfg, shape
 
-    from speculators.models.eagle3.data import shift_batch
-    from speculators.train.dataloader import _setup_dataloader
-    from speculators.train.distributed import (
-        get_local_rank,
-        get_rank,
-        get_world_size,
-        is_distributed,
-        maybe_destroy_distributed,
-    )
-    from speculators.train.trainer import TrainerConfig
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What this process trains with, decided once: accelerator, attention, loss and hidden-state dtype."""
+
+    gpu: bool
+    attention: str
+    loss: str
+    hs_dtype: torch.dtype
+
+    @classmethod
+    def create(cls, recipe: Recipe) -> RankSetup:
+        from eagle_jobs import speculators_compat as compat
+
+        compat.install()
+        compat.setup_distributed()
+        gpu = compat.has_accelerator()
+        a = recipe.train.attention
+        attention = a if a != "auto" else ("simple_flex_attention" if gpu else "sdpa")
+        if not gpu and attention == "simple_flex_attention":
+            raise BadInput("train.attention simple_flex_attention needs a GPU (no flex backward on CPU): "
+                           "use auto or sdpa")
+        torch.manual_seed(recipe.train.seed)
+        # bf16 states from the store; the draft keeps fp32 master weights. On GPU autocast runs
+        # the matmuls in bf16; on CPU we upcast the states so dtypes always agree.
+        return cls(gpu, attention, loss_implementation(recipe, gpu), torch.bfloat16 if gpu else torch.float32)
+
+
+def vocab_mapping(info: dict, store: Store, run_id: str, shape: DraftShape) -> tuple:
+    """speculators' d2t/t2d from the loss-masked token counts, and the share of target tokens it covers."""
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-    compat.install()
-    compat.setup_distributed()
-    gpu = compat.has_accelerator()
-    attn = recipe.train.attention if recipe.train.attention != "auto" else ("simple_flex_attention" if gpu else "sdpa")
-    loss_impl = loss_implementation(recipe, gpu)
-    if not gpu and attn == "simple_flex_attention":
-        raise BadInput("train.attention simple_flex_attention needs a GPU (no flex backward on CPU): use auto or sdpa")
-    # bf16 states from the store; the draft keeps fp32 master weights. On GPU autocast runs
-    # the matmuls in bf16; on CPU we upcast the states so dtypes always agree.
-    hs_dtype = torch.bfloat16 if gpu else torch.float32
-    torch.manual_seed(recipe.train.seed)
-
-    # 2. vocab mapping from loss-masked token frequencies
     freq = token_frequencies(info["manifests"], store, run_id)
     d2t, t2d = build_vocab_mappings_from_distribution(dict(freq), shape.draft_vocab_size, shape.verifier_vocab_size)
     coverage = sum(c for t, c in freq.items() if t2d[t]) / max(1, sum(freq.values()))
     console.print(f"  vocab mapping: {shape.draft_vocab_size} of {shape.verifier_vocab_size} tokens, "
                   f"covering {coverage:.1%} of {sum(freq.values()):,} training target tokens")
+    return d2t, t2d, coverage
 
-    # 3. data: stage shards ahead to bounded local disk; one dataset per split
-    stager = ShardStager(store, run_id, info["manifests"], work / "stage", recipe.train.local_stage_bytes)
-    if get_local_rank() == 0:  # one stager per node; the other ranks read what it staged
-        stager.start()
-    items: dict[str, list[tuple[str, str, dict]]] = {"train": [], "validation": []}
-    for m in info["manifests"]:
-        (fname, finfo), = m["files"].items()
-        for e in m["samples"]:
-            if e["loss_tokens"] > 1:
-                items[e["split"]].append((fname, ShardStager.local_name(fname, finfo), e))
-    if not items["train"]:
-        raise BadInput(f"run '{run_id}' has no training samples with loss tokens")
-    Dataset = _dataset_class()
-    T = recipe.train.total_seq_len
 
-    def loader(split: str):
-        if not items[split]:
-            return None
-        ds = Dataset(store.uri, run_id, items[split], str(stager.root), T, hs_dtype)
-        return _setup_dataloader(ds, T, shape.hidden_size, num_workers=recipe.train.num_workers,
-                                 num_target_layers=len(aux), prefetch_factor=4, preprocess=shift_batch,
-                                 seed=recipe.train.seed)
+@dataclass
+class TrainData:
+    """The samples of each split (shard, local name, manifest entry) and their loaders."""
 
-    train_loader, val_loader = loader("train"), loader("validation")
+    items: dict[str, list[tuple[str, str, dict]]]
+    train_loader: object
+    val_loader: object | None
 
-    # 4. model: speculators' Eagle3DraftModel with draft.architecture's layer and draft.norms
-    model = build_draft_model(shape, recipe, tcfg, attn, t2d, d2t)
-    assert next(model.fc.parameters()).dtype == torch.float32  # fp32 master weights
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    console.print(f"  draft parameters: {total:,} total, {trainable:,} trainable; attention {attn}, loss {loss_impl}")
+    @classmethod
+    def create(cls, recipe: Recipe, store: Store, run_id: str, info: dict, shape: DraftShape, work: Path,
+               hs_dtype: torch.dtype) -> TrainData:
+        from speculators.models.eagle3.data import shift_batch
+        from speculators.train.dataloader import _setup_dataloader
+        from speculators.train.distributed import get_local_rank
 
-    # 5. resume from the newest committed checkpoint, then train
-    stage = Stage(store, run_id, train_dir(variant))
-    ckpt_dir = work / "checkpoints"
+        stager = ShardStager(store, run_id, info["manifests"], work / "stage", recipe.train.local_stage_bytes)
+        if get_local_rank() == 0:  # one stager per node; the other ranks read what it staged
+            stager.start()
+        items: dict[str, list[tuple[str, str, dict]]] = {"train": [], "validation": []}
+        for m in info["manifests"]:
+            (fname, finfo), = m["files"].items()
+            for e in m["samples"]:
+                if e["loss_tokens"] > 1:
+                    items[e["split"]].append((fname, ShardStager.local_name(fname, finfo), e))
+        if not items["train"]:
+            raise BadInput(f"run '{run_id}' has no training samples with loss tokens")
+        dataset, T = _dataset_class(), recipe.train.total_seq_len
+
+        def loader(split: str):
+            if not items[split]:
+                return None
+            ds = dataset(store.uri, run_id, items[split], str(stager.root), T, hs_dtype)
+            return _setup_dataloader(ds, T, shape.hidden_size, num_workers=recipe.train.num_workers,
+                                     num_target_layers=len(recipe.aux_layer_ids), prefetch_factor=4,
+                                     preprocess=shift_batch, seed=recipe.train.seed)
+
+        return cls(items, loader("train"), loader("validation"))
+
+
+def resume_checkpoint(recipe: Recipe, stage: Stage, ckpt_dir: Path) -> dict | None:
+    """Every node restores the newest committed checkpoint of this recipe into ckpt_dir; its manifest, or None."""
+    from speculators.train.distributed import get_local_rank, is_distributed
+
     resumed = None
-    if get_local_rank() == 0:  # every node resumes from the same committed checkpoint
+    if get_local_rank() == 0:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
         resumed = restore_latest(stage, ckpt_dir, recipe.train_digest())
         if resumed is not None:
             console.print(f"  resuming from committed {resumed['shard']} (epoch {resumed['epoch']}, "
                           f"step {resumed['local_step'] or 'end'})")
-    resumed_metrics = ckpt_dir / str(resumed["epoch"] if resumed else None) / "metrics.json"
     if is_distributed():
         import torch.distributed as dist
 
         dist.barrier()  # no rank looks for a checkpoint before it is on disk
-    train_kwargs, val_kwargs = trainer_call_kwargs(recipe, loss_impl)  # ttt_steps, train.loss
-    steps_per_epoch = len(train_loader)
-    cfg = TrainerConfig(
-        num_epochs=recipe.train.epochs, save_path=str(ckpt_dir), resume_from_checkpoint=True,
-        train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, hidden_states_dtype=hs_dtype,
-        **optimizer_settings(recipe),  # optimizer (Muon's group too), lr, weight decay, schedule, warmup
-        log_freq=recipe.train.log_freq, fsdp_shard=recipe.train.fsdp, max_steps=max_steps,
-    )
-    split = {"train": len(items["train"]), "validation": len(items["validation"])}
-    record = {
-        "run_id": run_id, "verifier": recipe.verifier.model, "samples": split,
+    return resumed
+
+
+def train_record(recipe: Recipe, run_id: str, info: dict, shape: DraftShape, rank: RankSetup, data: TrainData,
+                 params: dict, coverage: float, max_steps: int | None) -> dict:
+    """train_config.json: what this draft was trained on and with (docs/FORMAT.md)."""
+    from speculators.train.distributed import get_world_size
+
+    steps_per_epoch = len(data.train_loader)  # type: ignore[arg-type]
+    return {
+        "run_id": run_id, "verifier": recipe.verifier.model,
+        "samples": {"train": len(data.items["train"]), "validation": len(data.items["validation"])},
         "epochs": recipe.train.epochs, "lr": recipe.train.lr, "scheduler": recipe.train.scheduler,
         "optimizer": recipe.train.optimizer, "world_size": get_world_size(), "steps_per_epoch": steps_per_epoch,
         "total_steps": max_steps or steps_per_epoch * recipe.train.epochs,
-        "parameters": {"total": total, "trainable": trainable}, "draft_shape": shape.describe(),
-        "aux_layer_ids": aux, "attention": attn, "loss_implementation": loss_impl,
-        "hidden_states_dtype": str(hs_dtype).removeprefix("torch."), "recipe_digest": recipe.digest(),
+        "parameters": params, "draft_shape": shape.describe(),
+        "aux_layer_ids": info["layer_ids"][:-1], "attention": rank.attention, "loss_implementation": rank.loss,
+        "hidden_states_dtype": str(rank.hs_dtype).removeprefix("torch."), "recipe_digest": recipe.digest(),
         "vocab_coverage": coverage,
         # the images this run's pods ran, when submit pinned them by digest (lineage: promote copies it)
         "image_digests": json.loads(os.environ.get("EAGLE_JOBS_IMAGE_DIGESTS") or "{}"),
     }
+
+
+def fit_and_export(recipe: Recipe, model, data: TrainData, rank: RankSetup, stage: Stage, work: Path,
+                   ckpt_dir: Path, resumed: dict | None, record: dict, max_steps: int | None,
+                   started: float) -> None:
+    """speculators' Trainer, committing each checkpoint to the store; rank 0 exports the chosen epoch."""
+    from speculators.train.distributed import get_rank, maybe_destroy_distributed
+    from speculators.train.trainer import TrainerConfig
+
+    from eagle_jobs import speculators_compat as compat
+
+    train_kwargs, val_kwargs = trainer_call_kwargs(recipe, rank.loss)  # ttt_steps, train.loss
+    cfg = TrainerConfig(
+        num_epochs=recipe.train.epochs, save_path=str(ckpt_dir), resume_from_checkpoint=True,
+        train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, hidden_states_dtype=rank.hs_dtype,
+        **optimizer_settings(recipe),  # optimizer (Muon's group too), lr, weight decay, schedule, warmup
+        log_freq=recipe.train.log_freq, fsdp_shard=recipe.train.fsdp, max_steps=max_steps,
+    )
     recorder = compat.MetricsRecorder()
+    resumed_metrics = ckpt_dir / str(resumed["epoch"] if resumed else None) / "metrics.json"
     if resumed_metrics.is_file():  # the epochs before a resume: their validation chooses the checkpoint too
         recorder.records = json.loads(resumed_metrics.read_text())
-    logging.getLogger("speculators.metrics").addHandler(recorder)
-    logging.getLogger("speculators.metrics").setLevel(logging.INFO)
+    metrics_log = logging.getLogger("speculators.metrics")
+    metrics_log.addHandler(recorder)
+    metrics_log.setLevel(logging.INFO)
+    board = tensorboard_handler(work / "tensorboard") if get_rank() == 0 else None
 
     def on_checkpoint(epoch: int, local_step: int) -> None:
         (ckpt_dir / str(epoch) / "train_config.json").write_text(json.dumps(record, indent=1))
@@ -475,36 +543,38 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
             upload_tensorboard(board, work / "tensorboard", stage)
 
     every = recipe.train.checkpoint_every_minutes
-    trainer = compat.StoreTrainer(model, cfg, train_loader, val_loader, on_checkpoint=on_checkpoint,
+    trainer = compat.StoreTrainer(model, cfg, data.train_loader, data.val_loader, on_checkpoint=on_checkpoint,
                                   checkpoint_every_s=every and every * 60)
-    board = tensorboard_handler(work / "tensorboard") if get_rank() == 0 else None
     try:
         trainer.run_training()  # its CPU warning filters live in compat (adaptation 4)
         if trainer.interrupted:
             maybe_destroy_distributed()
             raise EagleJobsError("train: interrupted by a signal; the checkpoint is committed, rerun to resume",
                                  ExitCode.INTERRUPTED)
-        # 6. export: the epoch with the best held-out tau estimate, as vLLM serves it
         if get_rank() == 0:
-            last = max(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and not p.is_symlink())
-            record["selection"] = sel = select_epoch(recorder.records, estimate_depth(recipe), last)
-            record["metrics"] = recorder.records
-            if not (ckpt_dir / str(sel["epoch"])).is_dir():  # pruned locally once committed: fetch it back
-                restore_epoch(stage, ckpt_dir, sel["epoch"])
-            if sel["epoch"] != last:
-                console.print(f"  exporting epoch {sel['epoch']} (tau estimate {sel['tau_estimate']:.3f}), "
-                              f"not the last ({sel['per_epoch'].get(str(last), float('nan')):.3f})")
-            record["train_seconds"] = round(time.time() - started, 1)  # this process's, from the shape check
-            export_final(stage, ckpt_dir / str(sel["epoch"]), record, recipe)
+            export_selected(recipe, stage, ckpt_dir, record, recorder.records, started)
         if board is not None:
             upload_tensorboard(board, work / "tensorboard", stage)  # the validation of the last epoch too
     finally:  # off the process-wide logger whatever happened: a later run in this process gets its own
-        logging.getLogger("speculators.metrics").removeHandler(recorder)
+        metrics_log.removeHandler(recorder)
         if board is not None:
-            logging.getLogger("speculators.metrics").removeHandler(board)
+            metrics_log.removeHandler(board)
             board.close()
-    maybe_destroy_distributed()
-    return record
+
+
+def export_selected(recipe: Recipe, stage: Stage, ckpt_dir: Path, record: dict, records: list[dict],
+                    started: float) -> None:
+    """Export the epoch with the best held-out tau estimate, as vLLM serves it."""
+    last = max(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and not p.is_symlink())
+    record["selection"] = sel = select_epoch(records, estimate_depth(recipe), last)
+    record["metrics"] = records
+    if not (ckpt_dir / str(sel["epoch"])).is_dir():  # pruned locally once committed: fetch it back
+        restore_epoch(stage, ckpt_dir, sel["epoch"])
+    if sel["epoch"] != last:
+        console.print(f"  exporting epoch {sel['epoch']} (tau estimate {sel['tau_estimate']:.3f}), "
+                      f"not the last ({sel['per_epoch'].get(str(last), float('nan')):.3f})")
+    record["train_seconds"] = round(time.time() - started, 1)  # this process's, from the shape check
+    export_final(stage, ckpt_dir / str(sel["epoch"]), record, recipe)
 
 
 def tensorboard_handler(log_dir: Path) -> logging.Handler:
