@@ -75,7 +75,7 @@ def test_submit_renders_one_run_and_applies_server_side(kube):
     run_cm = _configmap(fake, "eagle-jobs-run-ci-42-")
     assert run_cm["data"]["EAGLE_JOBS_RUN_ID"] == "ci-42"
     recipe_cm = _configmap(fake, "eagle-jobs-recipe-ci-42-")
-    assert recipe_cm["metadata"]["name"] == f"eagle-jobs-recipe-ci-42-{cluster.content_hash(recipe_cm['data'])}"
+    assert recipe_cm["metadata"]["name"] == f"eagle-jobs-recipe-ci-42-{cluster.name_suffix(recipe_cm['data'])}"
     pod = js["spec"]["replicatedJobs"][2]["template"]["spec"]["template"]["spec"]
     assert {"configMapRef": {"name": run_cm["metadata"]["name"]}} in pod["containers"][0]["envFrom"]
     assert next(v for v in pod["volumes"] if v["name"] == "recipe")["configMap"]["name"] == recipe_cm["metadata"]["name"]

@@ -19,7 +19,7 @@ from typing import cast
 
 import torch
 
-from eagle_jobs.committed import CAPTURE
+from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.prompts import Conversation, check_rejects, read_prompts
 from eagle_jobs.recipe import Recipe
@@ -27,7 +27,7 @@ from eagle_jobs.sampling import ServedSampling, effective, request_fields
 from eagle_jobs.sharding import chunked, owned, resolve_worker, worker_tag
 from eagle_jobs.store import Stage, Store
 
-STAGE = CAPTURE
+STAGE = StageName.CAPTURE.dir
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, cast
 import yaml
 
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
+from eagle_jobs.layout import STAGES, StageName, content_hash
 from eagle_jobs.progress import console
 
 if TYPE_CHECKING:
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
 
 GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 FIELD_MANAGER = "eagle-jobs"
-STAGES = ["capture", "extract", "train", "evaluate"]
 APPLY = "application/apply-patch+yaml"
 
 
@@ -80,11 +80,9 @@ def render(overlay: Path, run_id: str, recipe_path: Path | None = None,
 GENERATED = ("eagle-jobs-run", "eagle-jobs-recipe")  # the overlays' configMapGenerator names
 
 
-def content_hash(data: dict) -> str:
+def name_suffix(data: dict) -> str:
     """A name suffix from a ConfigMap's data, as kustomize's hashed names are (10 characters)."""
-    import hashlib
-
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
+    return content_hash(data, 10)
 
 
 IMAGE_NAMES = {"capture": "ghcr.io/eagle-jobs/capture", "extract": "ghcr.io/eagle-jobs/extract",
@@ -131,7 +129,7 @@ def for_run(docs: list[dict], run_id: str, recipe_path: Path | None = None,
             if recipe_path is not None and "recipe.yaml" in d.get("data", {}):
                 load_recipe(recipe_path)  # bad recipes stop here, before anything is applied
                 d["data"]["recipe.yaml"] = recipe_path.read_text()
-            new = f"{base}-{suffix}-{content_hash(d.get('data', {}))}"
+            new = f"{base}-{suffix}-{name_suffix(d.get('data', {}))}"
             renames[d["metadata"]["name"]] = new
             d["metadata"]["name"] = new
         if d["kind"] == "JobSet":
@@ -431,12 +429,11 @@ def pod_states(api, namespace: str, jobset: str) -> dict[str, list[dict]]:
 
 
 def store_progress(store, run_id: str) -> dict:
-    from eagle_jobs.pipeline import STAGE_DIRS
     from eagle_jobs.store import Stage
 
     out = {}
     for s in STAGES:
-        st = Stage(store, run_id, STAGE_DIRS[s])
+        st = Stage(store, run_id, StageName(s).dir)
         out[s] = {"committed_shards": len(st.store.list(st.key("manifests"))), "complete": st.is_complete()}
     return out
 

@@ -13,19 +13,10 @@ from pathlib import Path
 import torch
 
 from eagle_jobs.errors import BadInput, NotReady
+from eagle_jobs.layout import StageName, train_dir
 from eagle_jobs.store import Stage, Store
 
-CAPTURE, EXTRACT, TRAIN, EVALUATE = "capture", "extract", "train", "eval"
-VARIANTS = "variants"  # `eagle-jobs compare`: <run>/variants/<name>/{train,eval} beside the run's own stages
-
-
-def train_dir(variant: str | None = None) -> str:
-    """Where a run's draft (or one compared variant's) is trained: one extraction, many drafts."""
-    return TRAIN if variant is None else f"{VARIANTS}/{variant}/{TRAIN}"
-
-
-def eval_dir(variant: str | None = None) -> str:
-    return EVALUATE if variant is None else f"{VARIANTS}/{variant}/{EVALUATE}"
+CAPTURE, EXTRACT = StageName.CAPTURE.dir, StageName.EXTRACT.dir
 
 
 def read_rows(store: Store, run_id: str, require_complete: bool = True) -> list[dict]:

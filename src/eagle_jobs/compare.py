@@ -3,7 +3,7 @@
 A variant overrides only `draft` and `train` (recipe.VariantSpec), so every arm learns from the
 same hidden states and is evaluated on the same prompt sets, by the same served tau loop (and
 speed measurement) as the run itself: the table differs only where the recipes do. Each arm lives
-in <run>/variants/<name>/{train,eval} (committed.train_dir / eval_dir); an arm whose evaluation is
+in <run>/variants/<name>/{train,eval} (layout.train_dir / eval_dir); an arm whose evaluation is
 committed is not run again, so a rerun resumes at the first unfinished arm. The table is written
 to <run>/compare/data/ as report.json, report.md and compare.png.
 
@@ -16,13 +16,12 @@ import io
 import json
 import time
 
-from eagle_jobs.committed import eval_dir, extraction_info, train_dir
+from eagle_jobs.committed import extraction_info
 from eagle_jobs.errors import BadInput
+from eagle_jobs.layout import COMPARE, eval_dir, train_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import BASE_VARIANT, Recipe
 from eagle_jobs.store import Stage, Store
-
-COMPARE = "compare"
 
 
 def arm_names(recipe: Recipe, only: list[str] | None = None) -> list[str]:

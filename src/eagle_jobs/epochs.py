@@ -19,7 +19,6 @@ call it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -28,23 +27,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle_jobs.committed import VARIANTS, train_dir
 from eagle_jobs.errors import BadInput, NotReady
+from eagle_jobs.layout import content_hash, epochs_dir, train_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.store import Stage, Store
 
-EPOCHS = "epochs"
 # Held-out prompts served per epoch. On the demo's base arm, 8 (6 within limits) ranked epochs 2 and 3
 # the other way round from 24 (20), whose tau for epoch 3 equals evaluate's own on those prompts; at
 # Kimi scale a verifier load, not the prompts, is the cost (docs/OPERATIONS.md).
 DEFAULT_PROMPTS = 24
 TRAIN_RECORD = "train-record"  # train's own final/ record, kept before select_served rewrites final/
-
-
-def epochs_dir(variant: str | None = None) -> str:
-    """Where a run's (or one compared variant's) epoch ranking is committed, beside its train/."""
-    return EPOCHS if variant is None else f"{VARIANTS}/{variant}/{EPOCHS}"
 
 
 # -- rank correlation -------------------------------------------------------------------------
@@ -116,7 +109,7 @@ def measurement_key(recipe: Recipe, ckpt: dict, prompts_sha: str) -> str:
               if f.split("/", 1)[1] in ("model.safetensors", "config.json")}
     what = {"draft": served, "prompts": prompts_sha, "recipe": recipe.digest(("verifier", "chat", "limits")),
             "evaluate": [ev.backend, ev.num_speculative_tokens, ev.max_new_tokens, ev.concurrency, ev.vllm.serve_args]}
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
+    return content_hash(what, 12)
 
 
 def train_record(store: Store, run_id: str, variant: str | None) -> dict:
@@ -171,7 +164,7 @@ def served_rows(recipe: Recipe, store: Store, run_id: str, variant: str | None,
     from eagle_jobs.train import epoch_checkpoints
 
     train, stage = Stage(store, run_id, train_dir(variant)), Stage(store, run_id, epochs_dir(variant))
-    prompts_sha = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()
+    prompts_sha = content_hash(prompts)
     rows = []
     for epoch, ckpt in sorted(epoch_checkpoints(train).items()):
         shard = f"epoch-{epoch:04d}-{measurement_key(recipe, ckpt, prompts_sha)}"

@@ -15,7 +15,6 @@ and the same loop with an untrained draft, so the gain is visible.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import statistics
@@ -28,14 +27,15 @@ from typing import Protocol, cast
 
 import torch
 
-from eagle_jobs.committed import EVALUATE, download_final, eval_dir, extraction_info, train_dir
+from eagle_jobs.committed import download_final, extraction_info
 from eagle_jobs.errors import BadInput, Unavailable
+from eagle_jobs.layout import StageName, content_hash, eval_dir, train_dir
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.prompts import load_prompts
 from eagle_jobs.recipe import PromptSpec, Recipe
 from eagle_jobs.store import Stage, Store
 
-STAGE = EVALUATE
+STAGE = StageName.EVALUATE.dir
 
 
 @dataclass
@@ -551,7 +551,7 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
         "source": (str(prompts) if prompts else recipe.prompts.source if name == "validation"
                    else recipe.evaluate.prompt_sets[name]),
         # what `promote` compares: drafts are ranked only on the same prompts
-        "prompts_sha256": hashlib.sha256(json.dumps(m, sort_keys=True).encode()).hexdigest(),
+        "prompts_sha256": content_hash(m),
         # output tokens/s with the draft over without it, per concurrency level (None: not measured)
         "speedup": speed["sets"].get(name),
     } for name, m in sets.items()}

@@ -20,17 +20,18 @@ from pathlib import Path
 import torch
 
 from eagle_jobs import vllm_cpu
-from eagle_jobs.committed import EXTRACT, read_rows, read_sample
+from eagle_jobs.committed import read_rows, read_sample
 from eagle_jobs.draft import check_aux_ids, stored_layer_ids
 from eagle_jobs.errors import Unavailable
 from eagle_jobs.hsformat import Sample, bytes_per_token, encode_shard, sample_problem
+from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.sharding import owned, resolve_worker, worker_tag
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.verifier import load_config, text_config
 
-STAGE = EXTRACT
+STAGE = StageName.EXTRACT.dir
 
 
 def plan_shards(rows: list[dict], bytes_per_tok: int, shard_bytes: int) -> list[list[dict]]:

@@ -7,12 +7,10 @@ import time
 from rich.table import Table
 
 from eagle_jobs.errors import BadInput
+from eagle_jobs.layout import STAGES, StageName, epochs_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.store import Stage, Store
-
-STAGES = ["capture", "extract", "train", "evaluate"]
-STAGE_DIRS = {"capture": "capture", "extract": "extract", "train": "train", "evaluate": "eval"}
 
 
 def stage_serve_command(recipe: Recipe, stage: str, store: Store, run_id: str,
@@ -40,10 +38,10 @@ def stage_serve_command(recipe: Recipe, stage: str, store: Store, run_id: str,
 
 def select_by_served(recipe: Recipe, store: Store, run_id: str) -> tuple[str, str, str, str]:
     """train.select_by served: final/ becomes the best-served epoch before evaluate (eagle_jobs.epochs)."""
-    from eagle_jobs.epochs import epochs_dir, select_served
+    from eagle_jobs.epochs import select_served
 
     t0 = time.perf_counter()
-    if Stage(store, run_id, STAGE_DIRS["evaluate"]).is_complete():  # never swap the draft under its report
+    if Stage(store, run_id, StageName.EVALUATE.dir).is_complete():  # never swap the draft under its report
         status = "skipped (evaluate is committed: final/ stays the draft it measured)"
     else:
         console.rule("[bold]select epoch (served tau)")
@@ -84,7 +82,7 @@ def run_pipeline(recipe: Recipe, store: Store, run_id: str, stages: list[str] | 
             rows.append(select_by_served(recipe, store, run_id))
         if name not in wanted:
             continue
-        stage = Stage(store, run_id, STAGE_DIRS[name])
+        stage = Stage(store, run_id, StageName(name).dir)
         t0 = time.perf_counter()
         if stage.is_complete():
             status = "skipped (committed)"
@@ -103,5 +101,5 @@ def run_pipeline(recipe: Recipe, store: Store, run_id: str, stages: list[str] | 
     console.print(table)
     if tau is not None:
         console.print(f"[bold]acceptance length tau = {tau:.3f}[/] at k={recipe.evaluate.num_speculative_tokens}; "
-                      f"report: {store.url(Stage(store, run_id, 'eval').key('data/report.md'))}")
+                      f"report: {store.url(Stage(store, run_id, StageName.EVALUATE.dir).key('data/report.md'))}")
     return {"stages": rows, "acceptance_length": tau}

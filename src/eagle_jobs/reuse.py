@@ -11,16 +11,16 @@ nothing here.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 
+from eagle_jobs.layout import StageName, content_hash
 from eagle_jobs.recipe import Recipe, VllmServerSpec
 from eagle_jobs.store import Stage, Store
 
 
 def _digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+    return content_hash(obj, 16)
 
 
 def serving(recipe: Recipe, backend: str, server: VllmServerSpec) -> list[str]:
@@ -54,7 +54,7 @@ def extract_digest(recipe: Recipe) -> str:
 
 
 def ids_sha256(ids: list[int]) -> str:
-    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()
+    return content_hash(ids)  # a list: sort_keys changes nothing, the stored keys stay the same
 
 
 def other_runs(store: Store, run_id: str) -> list[str]:
@@ -85,7 +85,7 @@ class CaptureIndex:
     @classmethod
     def build(cls, store: Store, recipe: Recipe, run_id: str) -> "CaptureIndex":
         idx = cls(store)
-        for run, m in matching_manifests(store, run_id, "capture", capture_digest(recipe)):
+        for run, m in matching_manifests(store, run_id, StageName.CAPTURE.dir, capture_digest(recipe)):
             (fname, info), = m["files"].items()
             for sha in m.get("prompt_sha256s", []):
                 idx.where.setdefault(sha, (run, fname, info))
@@ -97,7 +97,7 @@ class CaptureIndex:
             return None
         run, fname, info = hit
         if (run, fname) not in self._cache:
-            data = Stage(self.store, run, "capture").read(fname, info)
+            data = Stage(self.store, run, StageName.CAPTURE.dir).read(fname, info)
             self._cache[(run, fname)] = [json.loads(ln) for ln in data.decode().splitlines()]
         return [r for r in self._cache[(run, fname)] if r["prompt_sha256"] == sha]
 
@@ -111,7 +111,7 @@ class HiddenStateIndex:
     @classmethod
     def build(cls, store: Store, recipe: Recipe, run_id: str) -> "HiddenStateIndex":
         idx = cls()
-        for run, m in matching_manifests(store, run_id, "extract", extract_digest(recipe)):
+        for run, m in matching_manifests(store, run_id, StageName.EXTRACT.dir, extract_digest(recipe)):
             for e in m["samples"]:
                 if "ids_sha256" in e:
                     idx.where.setdefault(e["ids_sha256"], (run, m, e))

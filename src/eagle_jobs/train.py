@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from eagle_jobs.committed import EXTRACT, TRAIN, extraction_info, read_rows, train_dir
+from eagle_jobs.committed import EXTRACT, extraction_info, read_rows
 from eagle_jobs.draft import (
     DraftShape,
     build_draft_model,
@@ -36,12 +36,13 @@ from eagle_jobs.draft import (
     trainer_call_kwargs,
 )
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
+from eagle_jobs.layout import StageName, train_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.verifier import load_config, text_config
 
-STAGE = TRAIN
+STAGE = StageName.TRAIN.dir
 
 
 # -- data ---------------------------------------------------------------------------
