@@ -12,6 +12,7 @@ import yaml
 from eagle_jobs import cluster
 from eagle_jobs.cluster import WatchExit
 from eagle_jobs.errors import BadInput
+from eagle_jobs.layout import STAGES
 
 REPO = Path(__file__).resolve().parents[1]
 NS = "eagle-jobs"
@@ -178,7 +179,7 @@ def test_watch_to_success_through_dropped_watch_and_410(kube):
     name = "eagle-jobs-w1"
 
     def finish():
-        for st in cluster.STAGES:
+        for st in STAGES:
             fake.put(JOBS, _job(name, st, succeeded=1, conditions=[_cond("Complete")]))
         fake.set_status(JS, name, {"conditions": [_cond("Completed", "AllJobsCompleted")]})
 

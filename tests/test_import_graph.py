@@ -8,17 +8,23 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "eagle_jobs"
 STAGES = {"capture", "extract", "train", "evaluate"}
 
 
-def import_graph() -> dict[str, set[str]]:
-    graph = {}
-    for path in SRC.glob("*.py"):
+def import_graph(collapse: bool = True) -> dict[str, set[str]]:
+    """Module -> the package modules it imports. With collapse, a subpackage (cluster/) is one node."""
+    def name(dotted: str) -> str:
+        return dotted.split(".")[0] if collapse else dotted
+
+    graph: dict[str, set[str]] = {}
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).with_suffix("")
+        me = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eagle_jobs"):
                 mod = node.module.removeprefix("eagle_jobs").lstrip(".")
                 deps |= {mod} if mod else {a.name for a in node.names}
             elif isinstance(node, ast.Import):
-                deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("eagle_jobs.")}
-        graph[path.stem] = {d.split(".")[0] for d in deps} - {path.stem}
+                deps |= {a.name.removeprefix("eagle_jobs.") for a in node.names if a.name.startswith("eagle_jobs.")}
+        graph.setdefault(name(me), set()).update({name(d) for d in deps} - {name(me)})
     return graph
 
 
@@ -42,8 +48,12 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_import_graph_has_no_circle():
     graph = import_graph()
-    assert {"verifier", "weights", "train", "cli"} <= set(graph)  # the walk sees the package
+    assert {"verifier", "weights", "train", "cli", "cluster"} <= set(graph)  # the walk sees the package
     assert cycles(graph) == []
+    modules = import_graph(collapse=False)  # inside a subpackage too: its __init__ imports its modules
+    assert {"cluster", "cluster.follow", "cluster.explain", "cluster.api"} <= set(modules)
+    assert "cluster.explain" in modules["cluster.follow"]
+    assert cycles(modules) == []
 
 
 def test_the_circle_finder_finds_one():
