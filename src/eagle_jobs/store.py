@@ -167,11 +167,14 @@ class Store:
         if not self.is_s3:
             tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
             Path(p).parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
+            try:  # out of disk mid-write: no *.tmp-* left beside the objects
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, p)
+            finally:
+                Path(tmp).unlink(missing_ok=True)
             return
         if len(data) > MULTIPART_THRESHOLD:
             self._retry(f"multipart upload of {key}", lambda: self._multipart(p, data))
@@ -188,8 +191,11 @@ class Store:
         if not self.is_s3:
             tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
             Path(p).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(local, tmp)
-            os.replace(tmp, p)
+            try:
+                shutil.copyfile(local, tmp)
+                os.replace(tmp, p)
+            finally:
+                Path(tmp).unlink(missing_ok=True)
             return
         self._retry(f"upload of {key}", lambda: self.fs.put_file(str(local), p))
 
