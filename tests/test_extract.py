@@ -6,6 +6,7 @@ from eagle_jobs.capture import run_capture
 from eagle_jobs.committed import extraction_info, read_rows, read_sample
 from eagle_jobs.errors import BadInput
 from eagle_jobs.extract import run_extract
+from eagle_jobs.records import Extracted, RowStates
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.verifier import load_verifier
 
@@ -94,20 +95,19 @@ def test_bad_records_are_skipped_and_reported(tiny_recipe, tmp_path, monkeypatch
     real = ex_mod.TransformersExtractor.states
 
     def corrupt(self, rows, advance):
-        out = real(self, rows, advance)
-        sorted(out)
+        out = real(self, rows, advance).states
         if "00000001-00" in out:
             hs, t = out["00000001-00"]
             hs = hs.clone()
             hs[0, 0, 0] = float("nan")
-            out["00000001-00"] = (hs, t)
+            out["00000001-00"] = RowStates(hs, t)
         if "00000002-00" in out:
             hs, t = out["00000002-00"]
-            out["00000002-00"] = (hs, [9] + list(t[1:]))
+            out["00000002-00"] = RowStates(hs, [9] + list(t[1:]))
         if "00000003-00" in out:
             hs, t = out["00000003-00"]
-            out["00000003-00"] = (hs[:-1], t)  # truncated record
-        return out
+            out["00000003-00"] = RowStates(hs[:-1], t)  # truncated record
+        return Extracted(out, {})
 
     monkeypatch.setattr(ex_mod.TransformersExtractor, "states", corrupt)
     s = run_extract(recipe, st, "r")

@@ -6,6 +6,7 @@ from pathlib import Path
 from eagle_jobs.capture import run_capture
 from eagle_jobs.committed import extraction_info, read_rows
 from eagle_jobs.extract import run_extract
+from eagle_jobs.records import Row, SampleEntry, Skipped, TensorEntry
 from eagle_jobs.store import Store
 
 DOC = (Path(__file__).resolve().parents[1] / "docs/FORMAT.md").read_text()
@@ -31,6 +32,7 @@ def test_capture_row_fields_are_documented(tiny_recipe, tmp_path):
     row = read_rows(st, "d")[0]
     documented = _table_names("`data/<shard>.jsonl`")
     assert set(row) == documented - {"---"}, (set(row) ^ documented)
+    assert set(Row.__annotations__) == set(row)  # the type readers get is the documented row
 
 
 def test_hidden_state_shard_is_as_documented(tiny_recipe, tmp_path):
@@ -43,6 +45,9 @@ def test_hidden_state_shard_is_as_documented(tiny_recipe, tmp_path):
     block = DOC[DOC.index("`{row_id, split"):]
     keys = {k.strip() for k in block[2: block.index("tensors:")].split(",") if k.strip()} | {"tensors"}
     assert set(e) == keys, set(e) ^ keys
+    assert set(SampleEntry.__annotations__) == keys  # the type train and reuse read is the documented entry
+    assert set(TensorEntry.__annotations__) == set(e["tensors"]["hidden_states"]) == {"dtype", "shape", "offset"}
+    assert "`[{row_id, reason}]`" in DOC and set(Skipped.__annotations__) == {"row_id", "reason"}
     assert set(e["tensors"]) == {"hidden_states", "token_ids", "loss_mask"}
     for name in ("{i}.hidden_states", "{i}.scales", "{i}.token_ids", "{i}.loss_mask"):
         assert f"`{name}`" in DOC

@@ -23,6 +23,7 @@ from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.prompts import Conversation, check_rejects, read_prompts
 from eagle_jobs.recipe import Recipe
+from eagle_jobs.records import Row
 from eagle_jobs.sampling import ServedSampling, effective, request_fields
 from eagle_jobs.sharding import chunked, owned, resolve_worker, worker_tag
 from eagle_jobs.store import Stage, Store
@@ -83,23 +84,23 @@ def serve_args(recipe: Recipe) -> list[str]:
     return ["--reasoning-parser", parser]
 
 
-def make_row(recipe: Recipe, t: Turn, g: Generation) -> dict:
+def make_row(recipe: Recipe, t: Turn, g: Generation) -> Row:
     ids = (g.prompt_ids + g.completion_ids)[: recipe.limits.max_seq_len]
     mask = ([0] * len(g.prompt_ids) + [1] * len(g.completion_ids))[: len(ids)]
-    return {
-        "row_id": f"{t.conv.index:08d}-{t.turn:02d}",
-        "prompt_index": t.conv.index,
-        "prompt_sha256": t.conv.sha,
-        "turn": t.turn,
-        "split": t.conv.split,
-        "input_ids": ids,
-        "loss_mask": mask,
-        "num_prompt_tokens": len(g.prompt_ids),
-        "num_completion_tokens": sum(mask),
-        "finish_reason": g.finish_reason,
-        "reasoning": g.reasoning,
-        "content": g.content,
-    }
+    return Row(
+        row_id=f"{t.conv.index:08d}-{t.turn:02d}",
+        prompt_index=t.conv.index,
+        prompt_sha256=t.conv.sha,
+        turn=t.turn,
+        split=t.conv.split,
+        input_ids=ids,
+        loss_mask=mask,
+        num_prompt_tokens=len(g.prompt_ids),
+        num_completion_tokens=sum(mask),
+        finish_reason=g.finish_reason,
+        reasoning=g.reasoning,
+        content=g.content,
+    )
 
 
 def _start_history(recipe: Recipe, conv: Conversation) -> tuple[list[dict], list[dict]]:
@@ -166,13 +167,13 @@ class TransformersBackend:
             res.append((comp, reason))
         return res
 
-    def run(self, convs: list[Conversation], stats: ShardStats, advance) -> list[dict]:
+    def run(self, convs: list[Conversation], stats: ShardStats, advance) -> list[Row]:
         r, lim = self.recipe, self.recipe.limits
         self.generator.manual_seed(r.sampling.seed + (convs[0].index if convs else 0))
         state = {c.index: _start_history(r, c) for c in convs}
         pos = {c.index: 0 for c in convs}
         turn_no = {c.index: 0 for c in convs}
-        rows: list[dict] = []
+        rows: list[Row] = []
         while True:
             pending: list[tuple[Turn, list[int]]] = []
             for c in convs:
@@ -263,7 +264,7 @@ class VllmBackend:
         return r.json()["data"][0]["id"]
 
     async def _conversation(self, client, model: str, c: Conversation, stats: ShardStats, advance,
-                            slot) -> list[dict]:
+                            slot) -> list[Row]:
         from eagle_jobs.vllm_server import post_with_retries
 
         r = self.recipe
@@ -304,8 +305,8 @@ class VllmBackend:
             turn += 1
         return rows
 
-    def run(self, convs: list[Conversation], stats: ShardStats, advance) -> list[dict]:
-        out: list[dict] = []
+    def run(self, convs: list[Conversation], stats: ShardStats, advance) -> list[Row]:
+        out: list[Row] = []
         self.run_shards([(0, convs, stats)], advance, lambda _key, rows: out.extend(rows))
         return out
 
@@ -386,12 +387,17 @@ def run_capture(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
     return summary
 
 
-def _reused_rows(index, c: Conversation) -> list[dict] | None:
+def _reused_rows(index, c: Conversation) -> list[Row] | None:
     rows = index.rows_for(c.sha)
     if rows is None:
         return None
     # the same conversation at another position of another prompt set
-    return [dict(r, prompt_index=c.index, split=c.split, row_id=f"{c.index:08d}-{r['turn']:02d}") for r in rows]
+    moved = []
+    for r in rows:
+        m = r.copy()
+        m["prompt_index"], m["split"], m["row_id"] = c.index, c.split, f"{c.index:08d}-{r['turn']:02d}"
+        moved.append(m)
+    return moved
 
 
 def _capture_shards(recipe, stage: Stage, idx, n, todo, make_backend, totals: ShardStats, index) -> None:
@@ -399,7 +405,7 @@ def _capture_shards(recipe, stage: Stage, idx, n, todo, make_backend, totals: Sh
 
     sampling = effective(recipe)
     with stage_progress("capture", sum(len(c) for _, c in todo), "conversations") as advance:
-        def commit(k: int, chunk: list[Conversation], rows: list[dict], stats: ShardStats) -> None:
+        def commit(k: int, chunk: list[Conversation], rows: list[Row], stats: ShardStats) -> None:
             advance(len(chunk), 0)
             rows.sort(key=lambda r: r["row_id"])
             blob = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
@@ -437,7 +443,7 @@ def _capture_shards(recipe, stage: Stage, idx, n, todo, make_backend, totals: Sh
             else:
                 commit(k, chunk, reused, stats)
 
-        def finish(k: int, rows: list[dict]) -> None:
+        def finish(k: int, rows: list[Row]) -> None:
             chunk, reused, stats = pending.pop(k)
             commit(k, chunk, reused + rows, stats)
 

@@ -14,12 +14,13 @@ import torch
 
 from eagle_jobs.errors import BadInput, NotReady
 from eagle_jobs.layout import StageName, train_dir
+from eagle_jobs.records import Row
 from eagle_jobs.store import Stage, Store
 
 CAPTURE, EXTRACT = StageName.CAPTURE.dir, StageName.EXTRACT.dir
 
 
-def read_rows(store: Store, run_id: str, require_complete: bool = True) -> list[dict]:
+def read_rows(store: Store, run_id: str, require_complete: bool = True) -> list[Row]:
     """Every committed capture row of a run, in row-id order."""
     stage = Stage(store, run_id, CAPTURE)
     if require_complete and not stage.is_complete():

@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from eagle_jobs.hsformat import Sample, bytes_per_token, encode_shard, sample_pr
 from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.recipe import Recipe
+from eagle_jobs.records import Advance, Extracted, HiddenStateBackend, Row, RowStates, Skipped
 from eagle_jobs.sharding import owned, resolve_worker, worker_tag
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.verifier import load_config, text_config
@@ -34,12 +36,12 @@ from eagle_jobs.verifier import load_config, text_config
 STAGE = StageName.EXTRACT.dir
 
 
-def plan_shards(rows: list[dict], bytes_per_tok: int, shard_bytes: int) -> list[list[dict]]:
+def plan_shards(rows: list[Row], bytes_per_tok: int, shard_bytes: int) -> list[list[Row]]:
     """Greedy over the rows ordered by (length, row_id): deterministic for a given row list, so a restart
     resumes. By length because a shard is batched on its own: rows of one length pad little (in row order,
     a 160-row benchmark padded 13% more tokens than one global length sort)."""
-    shards: list[list[dict]] = []
-    cur: list[dict] = []
+    shards: list[list[Row]] = []
+    cur: list[Row] = []
     size = 0
     for r in sorted(rows, key=lambda r: (len(r["input_ids"]), r["row_id"])):
         b = len(r["input_ids"]) * bytes_per_tok
@@ -89,9 +91,9 @@ class HookCapture:
             h.remove()
 
 
-def batches_by_tokens(rows: list[dict], batch_tokens: int) -> list[list[dict]]:
-    out: list[list[dict]] = []
-    cur: list[dict] = []
+def batches_by_tokens(rows: list[Row], batch_tokens: int) -> list[list[Row]]:
+    out: list[list[Row]] = []
+    cur: list[Row] = []
     for r in sorted(rows, key=lambda r: len(r["input_ids"])):
         if cur and (len(cur) + 1) * len(r["input_ids"]) > batch_tokens:
             out.append(cur)
@@ -102,7 +104,7 @@ def batches_by_tokens(rows: list[dict], batch_tokens: int) -> list[list[dict]]:
     return out
 
 
-def forward_batch(model, rows: list[dict], hook: HookCapture | None) -> list[torch.Tensor]:
+def forward_batch(model, rows: list[Row], hook: HookCapture | None) -> list[torch.Tensor]:
     """One padded forward; per row its [T, L, H] states (right padding: real tokens first)."""
     width = max(len(r["input_ids"]) for r in rows)
     ids = torch.zeros((len(rows), width), dtype=torch.long)
@@ -126,12 +128,12 @@ class TransformersExtractor:
         self.v = load_verifier(recipe.verifier)
         self.hook = HookCapture(self.v.model, recipe.aux_layer_ids)
 
-    def states(self, rows: list[dict], advance) -> dict[str, tuple[torch.Tensor, list[int]]]:
-        """row_id -> (its [T, L, H] states, the token ids they are for)."""
-        out = {}
+    def states(self, rows: list[Row], advance: Advance) -> Extracted:
+        """row_id -> its [T, L, H] states and the token ids they are for."""
+        out = Extracted({}, {})
         for b in batches_by_tokens(rows, self.recipe.extract.batch_tokens):
             for r, hs in zip(b, forward_batch(self.v.model, b, self.hook)):
-                out[r["row_id"]] = (hs, r["input_ids"])
+                out.states[r["row_id"]] = RowStates(hs, r["input_ids"])
             advance(len(b), sum(len(r["input_ids"]) for r in b))
         return out
 
@@ -189,7 +191,7 @@ class VllmExtractor:
         for p in (path, path.with_name(path.name + ".lock")):
             p.unlink(missing_ok=True)
 
-    def states(self, rows: list[dict], advance) -> dict[str, tuple]:
+    def states(self, rows: list[Row], advance: Advance) -> Extracted:
         import httpx
 
         from eagle_jobs.vllm_server import post_with_retries
@@ -210,18 +212,18 @@ class VllmExtractor:
             await asyncio.to_thread(self.wait_written, path, spec.vllm.request_timeout_s)
             try:
                 if echoed != r["input_ids"]:
-                    out[r["row_id"]] = ("echoed token ids differ from the row", None)
+                    out.problems[r["row_id"]] = "echoed token ids differ from the row"
                     return
                 if not path.is_file():
                     raise Unavailable(f"vLLM released {path}.lock without writing {path}: see the server log")
                 hs, tids = await asyncio.to_thread(self._load, path)
-                out[r["row_id"]] = (hs, tids.tolist())
+                out.states[r["row_id"]] = RowStates(hs, tids.tolist())
             finally:
                 self.remove(path)
             advance(1, len(r["input_ids"]))
 
-        async def main():
-            out: dict = {}
+        async def main() -> Extracted:
+            out = Extracted({}, {})
             async with httpx.AsyncClient(timeout=httpx.Timeout(spec.vllm.request_timeout_s, connect=30)) as client:
                 m = await client.get(f"{self.base}/v1/models")
                 model = m.json()["data"][0]["id"]
@@ -299,7 +301,7 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
     from eagle_jobs.reuse import HiddenStateIndex
 
     index = HiddenStateIndex.build(store, recipe, run_id)  # samples other runs already extracted
-    skipped: list[dict] = []
+    skipped: list[Skipped] = []
     reused = [0]
     if todo:
         if recipe.extract.backend == "transformers":
@@ -327,18 +329,18 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
     return summary
 
 
-def _extract_shards(recipe, stage: Stage, idx, n, todo, make_extractor, layer_ids, hidden, skipped_all,
-                    index, reused) -> None:
+def _extract_shards(recipe, stage: Stage, idx, n, todo, make_extractor: Callable[[], HiddenStateBackend],
+                    layer_ids, hidden, skipped_all, index, reused) -> None:
     """Compute shard k+1 while shard k is packed and uploaded in the background."""
     from eagle_jobs.reuse import ids_sha256
 
     pool = ThreadPoolExecutor(max_workers=1)
     pending: Future | None = None
-    ex = None
+    ex: HiddenStateBackend | None = None
     try:
         with stage_progress("extract", sum(len(s) for _, s in todo), "rows") as advance:
             for k, rows in todo:
-                states, fresh = {}, []
+                got, fresh = Extracted({}, {}), []
                 for r in rows:
                     hit = index.where.get(ids_sha256(r["input_ids"]))
                     if hit is None:
@@ -346,15 +348,17 @@ def _extract_shards(recipe, stage: Stage, idx, n, todo, make_extractor, layer_id
                         continue
                     src_run, m, e = hit
                     s = read_sample(stage.store, src_run, m, e, torch.float32)
-                    states[r["row_id"]] = (s["hidden_states"], s["token_ids"].tolist())
+                    got.states[r["row_id"]] = RowStates(s["hidden_states"], s["token_ids"].tolist())
                     reused[0] += 1
                     advance(1, 0)
                 if fresh:
                     ex = ex or make_extractor()
-                    states.update(ex.states(fresh, advance))
+                    new = ex.states(fresh, advance)
+                    got.states.update(new.states)
+                    got.problems.update(new.problems)
                 if pending is not None:
                     skipped_all.extend(pending.result())
-                pending = pool.submit(_pack_and_commit, recipe, stage, shard_name(idx, n, k), rows, states,
+                pending = pool.submit(_pack_and_commit, recipe, stage, shard_name(idx, n, k), rows, got,
                                       layer_ids, hidden)
             if pending is not None:
                 skipped_all.extend(pending.result())
@@ -364,15 +368,18 @@ def _extract_shards(recipe, stage: Stage, idx, n, todo, make_extractor, layer_id
             ex.close()
 
 
-def _pack_and_commit(recipe, stage: Stage, name: str, rows, states, layer_ids, hidden) -> list[dict]:
+def _pack_and_commit(recipe, stage: Stage, name: str, rows: list[Row], got: Extracted, layer_ids,
+                     hidden) -> list[Skipped]:
     samples, kept, skipped = [], [], []
     for r in rows:
-        hs, tids = states.get(r["row_id"], ("missing", None))
-        problem = hs if isinstance(hs, str) else sample_problem(hs, tids, r["input_ids"], len(layer_ids), hidden)
-        if problem:
-            skipped.append({"row_id": r["row_id"], "reason": problem})
+        st = got.states.get(r["row_id"])
+        problem = got.problems.get(r["row_id"]) or ("missing" if st is None else sample_problem(
+            st.hidden_states, st.token_ids, r["input_ids"], len(layer_ids), hidden))
+        if problem or st is None:
+            skipped.append(Skipped(row_id=r["row_id"], reason=problem or "missing"))
             continue
-        samples.append(Sample(r["row_id"], hs, torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"])))
+        samples.append(Sample(r["row_id"], st.hidden_states, torch.tensor(r["input_ids"]),
+                              torch.tensor(r["loss_mask"])))
         kept.append(r)
     blob, index = encode_shard(samples, layer_ids, recipe.extract.storage_dtype)
     from eagle_jobs.reuse import extract_digest, ids_sha256

@@ -31,6 +31,7 @@ from eagle_jobs.errors import BadInput
 from eagle_jobs.layout import content_hash
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import PromptSpec
+from eagle_jobs.records import Split
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 # ShareGPT's `from` values seen in the wild (ShareGPT V3, Vicuna, EAGLE's data scripts)
@@ -52,7 +53,7 @@ class Conversation:
     index: int  # position in the prompt set (after `limit`), rejected rows included
     messages: tuple  # the turns as given (dicts with role/content)
     sha: str  # content address of the messages
-    split: str  # "train" or "validation"
+    split: Split
 
     def user_prefixes(self) -> list[list[dict]]:
         """The turns up to each user turn whose assistant answer we regenerate."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from eagle_jobs.layout import StageName, content_hash
 from eagle_jobs.recipe import Recipe, VllmServerSpec
+from eagle_jobs.records import Row
 from eagle_jobs.store import Stage, Store
 
 
@@ -80,7 +81,7 @@ class CaptureIndex:
 
     store: Store = field(repr=False, compare=False)
     where: dict[str, tuple[str, str, dict]] = field(default_factory=dict)
-    _cache: dict[tuple[str, str], list[dict]] = field(default_factory=dict)
+    _cache: dict[tuple[str, str], list[Row]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, store: Store, recipe: Recipe, run_id: str) -> "CaptureIndex":
@@ -91,7 +92,7 @@ class CaptureIndex:
                 idx.where.setdefault(sha, (run, fname, info))
         return idx
 
-    def rows_for(self, sha: str) -> list[dict] | None:
+    def rows_for(self, sha: str) -> list[Row] | None:
         hit = self.where.get(sha)
         if hit is None:
             return None
