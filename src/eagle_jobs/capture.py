@@ -13,9 +13,9 @@ import contextlib
 import heapq
 import itertools
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 
@@ -23,7 +23,7 @@ from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.prompts import Conversation, check_rejects, read_prompts
 from eagle_jobs.recipe import Recipe
-from eagle_jobs.records import Row
+from eagle_jobs.records import Advance, Row
 from eagle_jobs.sampling import ServedSampling, effective, request_fields
 from eagle_jobs.sharding import chunked, owned, resolve_worker, worker_tag
 from eagle_jobs.store import Stage, Store
@@ -111,6 +111,18 @@ def _start_history(recipe: Recipe, conv: Conversation) -> tuple[list[dict], list
     return history, msgs
 
 
+ShardWork = list[tuple[int, list[Conversation], "ShardStats"]]  # (shard number, conversations, stats)
+
+
+class GenerationBackend(Protocol):
+    """A capture backend: the verifier regenerates each conversation's answers (transformers' generate in
+    this process, or a vLLM server in its served mode); `done(key, rows)` as each shard ends."""
+
+    def run(self, convs: list[Conversation], stats: ShardStats, advance: Advance) -> list[Row]: ...
+
+    def run_shards(self, work: ShardWork, advance: Advance, done: Callable[[int, list[Row]], None]) -> None: ...
+
+
 class TransformersBackend:
     """In-process batched generation: CPU runs and tests."""
 
@@ -167,7 +179,7 @@ class TransformersBackend:
             res.append((comp, reason))
         return res
 
-    def run(self, convs: list[Conversation], stats: ShardStats, advance) -> list[Row]:
+    def run(self, convs: list[Conversation], stats: ShardStats, advance: Advance) -> list[Row]:
         r, lim = self.recipe, self.recipe.limits
         self.generator.manual_seed(r.sampling.seed + (convs[0].index if convs else 0))
         state = {c.index: _start_history(r, c) for c in convs}
@@ -210,7 +222,7 @@ class TransformersBackend:
                     state[t.conv.index][0].append({"role": "assistant", "content": content})
                     advance(0, len(comp))
 
-    def run_shards(self, work: list[tuple[object, list[Conversation], ShardStats]], advance, done) -> None:
+    def run_shards(self, work: ShardWork, advance: Advance, done: Callable[[int, list[Row]], None]) -> None:
         """One shard after another: `done(key, rows)` as each ends."""
         for key, convs, stats in work:
             done(key, self.run(convs, stats, advance))
@@ -305,12 +317,12 @@ class VllmBackend:
             turn += 1
         return rows
 
-    def run(self, convs: list[Conversation], stats: ShardStats, advance) -> list[Row]:
+    def run(self, convs: list[Conversation], stats: ShardStats, advance: Advance) -> list[Row]:
         out: list[Row] = []
         self.run_shards([(0, convs, stats)], advance, lambda _key, rows: out.extend(rows))
         return out
 
-    def run_shards(self, work: list[tuple[object, list[Conversation], ShardStats]], advance, done) -> None:
+    def run_shards(self, work: ShardWork, advance: Advance, done: Callable[[int, list[Row]], None]) -> None:
         """Shards overlap: the next shard's requests fill the server while the last one's longest answers
         finish, so `concurrency` requests stay in flight across shard ends. `done(key, rows)` runs as each
         shard ends (in the event loop, one at a time); earlier shards take the request slots first."""
@@ -400,7 +412,8 @@ def _reused_rows(index, c: Conversation) -> list[Row] | None:
     return moved
 
 
-def _capture_shards(recipe, stage: Stage, idx, n, todo, make_backend, totals: ShardStats, index) -> None:
+def _capture_shards(recipe, stage: Stage, idx, n, todo, make_backend: Callable[[], GenerationBackend | None],
+                    totals: ShardStats, index) -> None:
     from eagle_jobs.reuse import capture_digest
 
     sampling = effective(recipe)
@@ -448,4 +461,6 @@ def _capture_shards(recipe, stage: Stage, idx, n, todo, make_backend, totals: Sh
             commit(k, chunk, reused + rows, stats)
 
         if work:
-            make_backend().run_shards(work, advance, finish)
+            backend = make_backend()
+            assert backend is not None, "a backend is made whenever a conversation is not reused"
+            backend.run_shards(work, advance, finish)
