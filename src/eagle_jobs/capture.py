@@ -27,6 +27,7 @@ from eagle_jobs.records import Advance, Row
 from eagle_jobs.sampling import ServedSampling, effective, request_fields
 from eagle_jobs.sharding import chunked, owned, resolve_worker, worker_tag
 from eagle_jobs.store import Stage, Store
+from eagle_jobs.vllm_server import ServePlan
 
 STAGE = StageName.CAPTURE.dir
 
@@ -74,6 +75,11 @@ def parse_reasoning(text: str, parser: str | None, thinking: bool = True) -> tup
     if text.lstrip().startswith(start) or thinking:
         return text.split(start, 1)[-1].strip(), ""
     return None, text.strip()
+
+
+def serve_plan(recipe: Recipe) -> ServePlan:
+    """capture's `vllm serve`: the recipe's capture.vllm, the verifier, and serve_args."""
+    return ServePlan(recipe.capture.vllm, recipe.verifier, tuple(serve_args(recipe)))
 
 
 def serve_args(recipe: Recipe) -> list[str]:
@@ -382,8 +388,7 @@ def run_capture(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
 
             needs_server = any(index.rows_for(c.sha) is None for _k, chunk in todo for c in chunk)
             if needs_server:
-                with vllm_endpoint(recipe.capture.vllm, recipe.verifier, serve_args(recipe),
-                                   log=server_log(run_id, f"capture-{idx}")) as base:
+                with vllm_endpoint(serve_plan(recipe), log=server_log(run_id, f"capture-{idx}")) as base:
                     _capture_shards(recipe, stage, idx, n, todo, lambda: VllmBackend(recipe, base), totals, index)
             else:
                 _capture_shards(recipe, stage, idx, n, todo, lambda: None, totals, index)

@@ -342,12 +342,12 @@ def serve_vllm(recipe: RecipeOpt,
     In a pod, `--write` runs in a regular init container: every check that can fail (recipe, store,
     the draft's download) fails there, with its exit code, before vLLM's restartable sidecar starts.
     """
-    from eagle_jobs.pipeline import stage_serve_command
-    from eagle_jobs.vllm_server import serve_env
+    from eagle_jobs.pipeline import stage_serve_plan
 
     r, st, rid = _context(recipe, store, run_id)
-    cmd = stage_serve_command(r, stage, st, rid, shard_index)
-    env = {k: v for k, v in serve_env(r.verifier, dict(os.environ)).items() if os.environ.get(k) != v}
+    plan = stage_serve_plan(r, stage, st, rid, shard_index)
+    cmd = plan.command()
+    env = {k: v for k, v in plan.env(os.environ).items() if os.environ.get(k) != v}
     if dry_run:
         print(shlex.join([*(f"{k}={v}" for k, v in sorted(env.items())), *cmd]))
     elif write is not None:

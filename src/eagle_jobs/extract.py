@@ -32,6 +32,7 @@ from eagle_jobs.records import Advance, Extracted, HiddenStateBackend, Row, RowS
 from eagle_jobs.sharding import owned, resolve_worker, worker_tag
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.verifier import load_config, text_config
+from eagle_jobs.vllm_server import ServePlan
 
 STAGE = StageName.EXTRACT.dir
 
@@ -254,6 +255,11 @@ def sweep_scratch(scratch: Path) -> int:
     return removed
 
 
+def serve_plan(recipe: Recipe, run_id: str, worker: int) -> ServePlan:
+    """extract's `vllm serve` for one worker: the recipe's extract.vllm, the verifier, and serve_args."""
+    return ServePlan(recipe.extract.vllm, recipe.verifier, tuple(serve_args(recipe, run_id, worker)))
+
+
 def serve_args(recipe: Recipe, run_id: str, worker: int) -> list[str]:
     """What extract adds to `vllm serve`: vLLM's extract_hidden_states with a connector writing to scratch.
 
@@ -313,8 +319,7 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
             scratch = scratch_dir(recipe, run_id, idx)
             if swept := sweep_scratch(scratch):
                 console.print(f"  removed {swept} hidden-state files an earlier attempt left in {scratch}")
-            with vllm_endpoint(recipe.extract.vllm, recipe.verifier, serve_args(recipe, run_id, idx),
-                               log=server_log(run_id, f"extract-{idx}")) as base:
+            with vllm_endpoint(serve_plan(recipe, run_id, idx), log=server_log(run_id, f"extract-{idx}")) as base:
                 _extract_shards(recipe, stage, idx, n, todo, lambda: VllmExtractor(recipe, base, scratch),
                                 layer_ids, hidden, skipped, index, reused)
     if reused[0]:

