@@ -25,7 +25,7 @@ from eagle_jobs.prompts import Conversation, check_rejects, read_prompts
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.records import Advance, Row
 from eagle_jobs.sampling import ServedSampling, effective, request_fields
-from eagle_jobs.sharding import chunked, owned, resolve_worker, worker_tag
+from eagle_jobs.sharding import ShardWorker, chunked
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.vllm_server import ServePlan
 
@@ -359,10 +359,6 @@ class VllmBackend:
         asyncio.run(main())
 
 
-def shard_name(index: int, num: int, chunk: int) -> str:
-    return f"{worker_tag(index, num)}-{chunk:05d}"
-
-
 def run_capture(recipe: Recipe, store: Store, run_id: str, shard_index: int | None = None,
                 num_shards: int | None = None) -> dict:
     stage = Stage(store, run_id, STAGE)
@@ -371,10 +367,11 @@ def run_capture(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
     stage.store.put_json(stage.key("rejects.json"), rejects.to_json())
     console.print(rejects.summary() + f" (list: {store.url(stage.key('rejects.json'))})", soft_wrap=True)
     check_rejects(recipe.prompts, convs, rejects)
-    idx, n = resolve_worker(shard_index, num_shards)
-    chunks = chunked(owned(convs, idx, n), recipe.capture.prompts_per_shard)
-    todo = [(k, c) for k, c in enumerate(chunks) if not stage.is_committed(shard_name(idx, n, k))]
-    console.print(f"[bold]capture[/] worker {idx}/{n}: {sum(len(c) for c in chunks)} conversations in "
+    worker = ShardWorker.resolve(stage, shard_index, num_shards)
+    idx, n = worker.index, worker.count
+    chunks = chunked(worker.owned(convs), recipe.capture.prompts_per_shard)
+    todo = worker.todo(chunks)
+    console.print(f"{worker.describe()}: {sum(len(c) for c in chunks)} conversations in "
                   f"{len(chunks)} shards, {len(chunks) - len(todo)} already committed")
     from eagle_jobs.reuse import CaptureIndex
 
@@ -382,25 +379,24 @@ def run_capture(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
     totals = ShardStats()
     if todo:
         if recipe.capture.backend == "transformers":
-            _capture_shards(recipe, stage, idx, n, todo, lambda: TransformersBackend(recipe), totals, index)
+            _capture_shards(recipe, worker, todo, lambda: TransformersBackend(recipe), totals, index)
         else:
             from eagle_jobs.vllm_server import server_log, vllm_endpoint
 
             needs_server = any(index.rows_for(c.sha) is None for _k, chunk in todo for c in chunk)
             if needs_server:
                 with vllm_endpoint(serve_plan(recipe), log=server_log(run_id, f"capture-{idx}")) as base:
-                    _capture_shards(recipe, stage, idx, n, todo, lambda: VllmBackend(recipe, base), totals, index)
+                    _capture_shards(recipe, worker, todo, lambda: VllmBackend(recipe, base), totals, index)
             else:
-                _capture_shards(recipe, stage, idx, n, todo, lambda: None, totals, index)
+                _capture_shards(recipe, worker, todo, lambda: None, totals, index)
     if totals.reused:
         console.print(f"  reused {totals.reused} conversations captured by other runs with the same settings")
     summary = {"worker": idx, "num_workers": n, "shards": len(chunks), "rows_written": totals.rows,
                "skipped_too_long": totals.skipped_too_long, "reused_conversations": totals.reused}
-    done = stage.mark_worker_done(idx, n, summary)
     if totals.skipped_too_long:
         console.print(f"  skipped {totals.skipped_too_long} turns longer than limits.max_prompt_tokens "
                       "or the server's max-model-len")
-    console.print(f"  capture {'complete' if done else 'worker done'}: {store.url(stage.prefix)}")
+    worker.finish(summary)
     return summary
 
 
@@ -417,7 +413,7 @@ def _reused_rows(index, c: Conversation) -> list[Row] | None:
     return moved
 
 
-def _capture_shards(recipe, stage: Stage, idx, n, todo, make_backend: Callable[[], GenerationBackend | None],
+def _capture_shards(recipe, worker: ShardWorker, todo, make_backend: Callable[[], GenerationBackend | None],
                     totals: ShardStats, index) -> None:
     from eagle_jobs.reuse import capture_digest
 
@@ -427,9 +423,9 @@ def _capture_shards(recipe, stage: Stage, idx, n, todo, make_backend: Callable[[
             advance(len(chunk), 0)
             rows.sort(key=lambda r: r["row_id"])
             blob = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
-            name = shard_name(idx, n, k)
+            name = worker.shard_name(k)
             tokens = sum(len(r["input_ids"]) for r in rows)
-            stage.commit_shard(name, {f"{name}.jsonl": blob}, {
+            worker.stage.commit_shard(name, {f"{name}.jsonl": blob}, {
                 "rows": len(rows), "tokens": tokens,
                 "prompt_indices": [c.index for c in chunk], "prompt_sha256s": [c.sha for c in chunk],
                 "skipped_too_long": stats.skipped, "reused_conversations": stats.reused,

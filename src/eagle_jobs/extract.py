@@ -29,7 +29,7 @@ from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.records import Advance, Extracted, HiddenStateBackend, Row, RowStates, Skipped
-from eagle_jobs.sharding import owned, resolve_worker, worker_tag
+from eagle_jobs.sharding import ShardWorker
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.verifier import load_config, text_config
 from eagle_jobs.vllm_server import ServePlan
@@ -285,10 +285,6 @@ def scratch_dir(recipe: Recipe, run_id: str, worker: int) -> Path:
     return p
 
 
-def shard_name(index: int, num: int, k: int) -> str:
-    return f"{worker_tag(index, num)}-{k:05d}"
-
-
 def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | None = None,
                 num_shards: int | None = None) -> dict:
     tcfg = text_config(load_config(recipe.verifier))
@@ -297,11 +293,12 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
     layer_ids = stored_layer_ids(recipe.aux_layer_ids, n_layers)
     stage = Stage(store, run_id, STAGE)
     rows = read_rows(store, run_id)
-    idx, n = resolve_worker(shard_index, num_shards)
+    worker = ShardWorker.resolve(stage, shard_index, num_shards)
+    idx, n = worker.index, worker.count
     bpt = bytes_per_token(len(layer_ids), hidden, recipe.extract.storage_dtype)
-    plan = plan_shards(owned(rows, idx, n), bpt, recipe.extract.shard_bytes)
-    todo = [(k, s) for k, s in enumerate(plan) if not stage.is_committed(shard_name(idx, n, k))]
-    console.print(f"[bold]extract[/] worker {idx}/{n}: {sum(len(s) for s in plan)} rows in {len(plan)} shards "
+    plan = plan_shards(worker.owned(rows), bpt, recipe.extract.shard_bytes)
+    todo = worker.todo(plan)
+    console.print(f"{worker.describe()}: {sum(len(s) for s in plan)} rows in {len(plan)} shards "
                   f"(~{recipe.extract.shard_bytes / 2**20:.0f} MiB each, {bpt} B/token), "
                   f"{len(plan) - len(todo)} already committed; layers {layer_ids}")
     from eagle_jobs.reuse import HiddenStateIndex
@@ -311,7 +308,7 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
     reused = [0]
     if todo:
         if recipe.extract.backend == "transformers":
-            _extract_shards(recipe, stage, idx, n, todo, lambda: TransformersExtractor(recipe), layer_ids, hidden,
+            _extract_shards(recipe, worker, todo, lambda: TransformersExtractor(recipe), layer_ids, hidden,
                             skipped, index, reused)
         else:
             from eagle_jobs.vllm_server import server_log, vllm_endpoint
@@ -320,7 +317,7 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
             if swept := sweep_scratch(scratch):
                 console.print(f"  removed {swept} hidden-state files an earlier attempt left in {scratch}")
             with vllm_endpoint(serve_plan(recipe, run_id, idx), log=server_log(run_id, f"extract-{idx}")) as base:
-                _extract_shards(recipe, stage, idx, n, todo, lambda: VllmExtractor(recipe, base, scratch),
+                _extract_shards(recipe, worker, todo, lambda: VllmExtractor(recipe, base, scratch),
                                 layer_ids, hidden, skipped, index, reused)
     if reused[0]:
         console.print(f"  reused {reused[0]} samples extracted by other runs with the same settings")
@@ -329,12 +326,11 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
                       + "; ".join(f"{s['row_id']}: {s['reason']}" for s in skipped[:5]))
     summary = {"worker": idx, "num_workers": n, "shards": len(plan), "skipped": len(skipped),
                "layer_ids": layer_ids, "reused_samples": reused[0]}
-    done = stage.mark_worker_done(idx, n, summary)
-    console.print(f"  extract {'complete' if done else 'worker done'}: {store.url(stage.prefix)}")
+    worker.finish(summary)
     return summary
 
 
-def _extract_shards(recipe, stage: Stage, idx, n, todo, make_extractor: Callable[[], HiddenStateBackend],
+def _extract_shards(recipe, worker: ShardWorker, todo, make_extractor: Callable[[], HiddenStateBackend],
                     layer_ids, hidden, skipped_all, index, reused) -> None:
     """Compute shard k+1 while shard k is packed and uploaded in the background."""
     from eagle_jobs.reuse import ids_sha256
@@ -352,7 +348,7 @@ def _extract_shards(recipe, stage: Stage, idx, n, todo, make_extractor: Callable
                         fresh.append(r)
                         continue
                     src_run, m, e = hit
-                    s = read_sample(stage.store, src_run, m, e, torch.float32)
+                    s = read_sample(worker.stage.store, src_run, m, e, torch.float32)
                     got.states[r["row_id"]] = RowStates(s["hidden_states"], s["token_ids"].tolist())
                     reused[0] += 1
                     advance(1, 0)
@@ -363,7 +359,7 @@ def _extract_shards(recipe, stage: Stage, idx, n, todo, make_extractor: Callable
                     got.problems.update(new.problems)
                 if pending is not None:
                     skipped_all.extend(pending.result())
-                pending = pool.submit(_pack_and_commit, recipe, stage, shard_name(idx, n, k), rows, got,
+                pending = pool.submit(_pack_and_commit, recipe, worker.stage, worker.shard_name(k), rows, got,
                                       layer_ids, hidden)
             if pending is not None:
                 skipped_all.extend(pending.result())

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 from eagle_jobs.errors import BadInput
+from eagle_jobs.progress import console
+from eagle_jobs.store import Stage
 
 T = TypeVar("T")
 
@@ -49,3 +52,45 @@ def chunked(items: Sequence[T], size: int) -> list[list[T]]:
 
 def worker_tag(index: int, num: int) -> str:
     return f"{index:05d}-of-{num:05d}"
+
+
+def shard_name(index: int, num: int, k: int) -> str:
+    """Worker `index` of `num`'s k-th shard: the name of its objects and its manifest."""
+    return f"{worker_tag(index, num)}-{k:05d}"
+
+
+@dataclass(frozen=True)
+class ShardWorker:
+    """One worker of a sharded stage: the skeleton capture and extract both run.
+
+    resolve (flags, else the Indexed Job) -> the stage plans its shards from what it owns -> `todo`
+    skips the committed ones -> the stage's backend commits the rest -> `finish` marks the worker done
+    (the last worker's mark completes the stage).
+    """
+
+    stage: Stage
+    index: int
+    count: int
+
+    @classmethod
+    def resolve(cls, stage: Stage, shard_index: int | None, num_shards: int | None) -> ShardWorker:
+        return cls(stage, *resolve_worker(shard_index, num_shards))
+
+    def owned(self, items: Sequence[T]) -> list[T]:
+        return owned(items, self.index, self.count)
+
+    def shard_name(self, k: int) -> str:
+        return shard_name(self.index, self.count, k)
+
+    def todo(self, shards: Sequence[T]) -> list[tuple[int, T]]:
+        """(k, shard) of each shard not committed yet: a restarted worker resumes at its first gap."""
+        return [(k, s) for k, s in enumerate(shards) if not self.stage.is_committed(self.shard_name(k))]
+
+    def describe(self) -> str:
+        return f"[bold]{self.stage.name}[/] worker {self.index}/{self.count}"
+
+    def finish(self, summary: dict) -> bool:
+        done = self.stage.mark_worker_done(self.index, self.count, summary)
+        console.print(f"  {self.stage.name} {'complete' if done else 'worker done'}: "
+                      f"{self.stage.store.url(self.stage.prefix)}")
+        return done
