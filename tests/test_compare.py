@@ -68,6 +68,8 @@ def test_variants_train_on_one_extraction_and_a_rerun_skips_them(tiny_recipe, bu
     again = run_compare(recipe, st, "r")  # committed arms are not trained or evaluated again
     assert {n: Stage(st, "r", f"variants/{n}/eval").manifest("report")["committed_at"] for n in by} == arms_before
     assert [r["prompt_sets"] for r in again["variants"]] == [r["prompt_sets"] for r in report["variants"]]
+    one = run_compare(recipe, st, "r", only=["narrow"])  # one arm asked for: the table still has all three
+    assert [r["variant"] for r in one["variants"]] == ["base", "hot", "narrow"] and not one["missing"]
 
 
 def test_compare_needs_a_committed_extraction_and_known_variants(tiny_recipe, tmp_path):

@@ -147,11 +147,12 @@ def run_compare(recipe: Recipe, store: Store, run_id: str, only: list[str] | Non
         t0 = time.perf_counter()
         status[name] = "not run (--report-only)" if report_only else run_arm(recipe, store, run_id, name)
         console.print(f"  variant {name}: {status[name]} ({time.perf_counter() - t0:.0f}s)")
-    done = [n for n in names if Stage(store, run_id, eval_dir(n)).is_complete()]
+    every = arm_names(recipe)  # the table has every committed arm, not only those this call ran
+    done = [n for n in every if Stage(store, run_id, eval_dir(n)).is_complete()]
     rows = [arm_row(store, run_id, n, recipe) for n in done]
     if not rows:
         raise BadInput(f"compare: no variant of run '{run_id}' has a committed evaluation yet")
-    report = {"run_id": run_id, "recipe": recipe.name, "variants": rows, "missing": sorted(set(names) - set(done))}
+    report = {"run_id": run_id, "recipe": recipe.name, "variants": rows, "missing": sorted(set(every) - set(done))}
     files = {"report.json": json.dumps(report, indent=1).encode(), "report.md": table_md(rows, run_id).encode(),
              "compare.png": plot_png(rows)}
     stage = Stage(store, run_id, COMPARE)
