@@ -192,17 +192,33 @@ TRAINS = re.compile(r"\brun_train\(|\brun_pipeline\(|\brun_compare\(|torch\.dist
 
 
 def _trains(item) -> bool:
+    """The test's body, its fixtures', or a helper of its module they call (transitively) trains."""
+    import ast
     import inspect
 
     funcs = [getattr(item, "function", None)]
     for defs in getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).values():
         funcs += [d.func for d in defs]
-    for f in funcs:
+    module = getattr(item, "module", None)
+    seen: set = set()
+    while funcs:
+        f = funcs.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
         try:
-            if f is not None and TRAINS.search(inspect.getsource(f)):
-                return True
+            src = inspect.getsource(f)
         except (OSError, TypeError):
             continue
+        if TRAINS.search(src):
+            return True
+        try:
+            called = {n.func.id for n in ast.walk(ast.parse(inspect.cleandoc(src) if src[0].isspace() else src))
+                      if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        except SyntaxError:
+            continue
+        funcs += [h for name in called if inspect.isfunction(h := getattr(module, name, None))
+                  and h.__module__ == getattr(module, "__name__", None)]
     return False
 
 
