@@ -251,3 +251,43 @@ def test_adaptation_11_scheduler_resumes_at_the_global_step(tiny_recipe, tmp_pat
     assert ours.schedulers[0].get_last_lr() == want
     assert [g["lr"] for g in ours.optimizers[0].param_groups] == want
     assert len(ours.optimizers[0].state) > 0  # the optimizer's moments were restored too
+
+
+def test_adaptation_11_resumes_both_of_muons_schedules(tiny_recipe, tmp_path):
+    """optimizer muon (the demo recipes' default) is two optimizers, Muon on 2-D weights and AdamW on the
+    rest, each with its own schedule (speculators/train/trainer.py setup_optimizer): a resume puts both at
+    the restored global step with their own base rates, and restores both optimizers' state."""
+    from conftest import draft_and_batch
+    from speculators.train.checkpointer import SingleGPUCheckpointer
+    from speculators.train.optimizers import build_optimizers
+    from speculators.train.trainer import TrainerConfig
+    from transformers import get_cosine_schedule_with_warmup
+
+    from eagle_jobs import speculators_compat as compat
+
+    compat.install()
+    steps_per_epoch, global_step, lr, muon_lr = 10, 23, 1e-3, 2e-2
+    (model,), _, _ = draft_and_batch(tiny_recipe(), "sdpa")
+    cfg = TrainerConfig(lr=lr, num_epochs=4, save_path=str(tmp_path), resume_from_checkpoint=True,
+                        scheduler_type="cosine", scheduler_warmup_steps=5, optimizer="muon", muon_lr=muon_lr)
+    opts = build_optimizers(model, cfg)
+    assert len(opts) == 2
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3) if p.requires_grad else None
+    for o in opts:
+        o.step()  # moments to restore
+    SingleGPUCheckpointer(tmp_path).save_checkpoint(model, opts, epoch=2)
+    (tmp_path / "2/training_state.json").write_text(json.dumps({"epoch": 2, "local_step": 3,
+                                                                "global_step": global_step}))
+    ours = compat.StoreTrainer(model, cfg, [None] * steps_per_epoch)
+    assert len(ours.schedulers) == 2 and ours.global_step == global_step
+    for sched, opt in zip(ours.schedulers, ours.optimizers, strict=True):
+        base = sched.base_lrs[0]
+        fresh = get_cosine_schedule_with_warmup(torch.optim.SGD([torch.zeros(1)], lr=base), 5, 4 * steps_per_epoch)
+        for _ in range(global_step):
+            fresh.optimizer.step()
+            fresh.step()
+        assert sched.last_epoch == global_step
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx(fresh.get_last_lr() * len(opt.param_groups))
+        assert len(opt.state) > 0
+    assert sorted(s.base_lrs[0] for s in ours.schedulers) != [lr, lr]  # Muon's group kept its own rate
