@@ -57,9 +57,9 @@ def test_loss_names_are_speculators_own():
     (DRAFT, DRAFT + "  architecture: mistral\n", ["draft.architecture", "'llama' or 'qwen3'"]),
     (DRAFT, DRAFT + "  norms: {fc_norm: true}\n", ["mutually exclusive", "norm_before_fc: false"]),
     (DRAFT, DRAFT + "  norms: {fc_nrom: true}\n", ["unknown key 'draft.norms.fc_nrom'"]),
-    ("  optimizer: adamw", "  optimizer: sgd", ["train.optimizer", "'adamw' or 'muon'"]),
-    ("  optimizer: adamw", "  optimizer: adamw\n  muon: {lr: 0.02}", ["needs train.optimizer: muon"]),
-    ("  optimizer: adamw", "  optimizer: muon\n  muon: {adjust_lr_fn: rms}", ["'original' or 'match_rms_adamw'"]),
+    ("  optimizer: muon ", "  optimizer: sgd ", ["train.optimizer", "'adamw' or 'muon'"]),
+    ("  optimizer: muon ", "  optimizer: adamw\n  muon: {lr: 0.02}\n ", ["needs train.optimizer: muon"]),
+    ("  optimizer: muon ", "  optimizer: muon\n  muon: {adjust_lr_fn: rms}\n ", ["'original' or 'match_rms_adamw'"]),
     ("  ttt_steps: 3", "  ttt_steps: 0", ["train.ttt_steps", "greater than 0"]),
     (TRAIN, TRAIN + "  warmup_ratio: 1.5\n", ["train.warmup_ratio", "less than or equal to 1"]),
 ])
