@@ -9,11 +9,13 @@ vocab 163840, draft vocab 32000, aux layers [2, 30, 58] + final (61).
 It writes a stand-in verifier directory holding only what the draft loads from a
 verifier (embed_tokens, lm_head, final norm; a kimi_k25 config with a
 deepseek_v3 text_config, weights under language_model.*), synthetic bf16 hidden
--state shards in our store format, and trains `--steps` steps. Prints tokens/s
-(speculators' own step profile) and peak GPU memory, then runs `inspect` on the
+-state shards in our store format, and trains `--steps` steps under each of
+`--optimizers` (each a variant on the same extraction, as `eagle-jobs compare`
+trains arms). Prints tokens/s (speculators' own step profile), peak GPU memory
+and, for two optimizers, their step-time ratio; then runs `inspect` on each
 exported draft (what vLLM's EAGLE-3 loader needs).
 
-    python benchmarks/gpu_check.py --steps 12 --seq-len 8192 --out $OUT
+    python benchmarks/gpu_check.py --steps 12 --seq-len 8192 --optimizers muon,adamw --out $OUT
 
 `--ranks 1 [--fsdp]` trains through torchrun as a multi-GPU pod does (NCCL,
 DDP/FSDP wrapping, the per-step stop agreement), at the world size one GPU allows.
@@ -101,16 +103,17 @@ def main(argv: list[str] | None = None) -> dict:
                     help="train as this many torchrun ranks, as a pod with several GPUs does (DDP over NCCL on GPUs, "
                          "gloo on CPU); 0: in this process, with peak memory")
     ap.add_argument("--fsdp", action="store_true", help="with --ranks: FSDP instead of DDP")
+    ap.add_argument("--loss", choices=["auto", "fused", "eager"], default="auto",
+                    help="train.loss.implementation (auto: speculators' fused Triton kernels on a GPU)")
+    ap.add_argument("--optimizers", default="muon",
+                    help="comma-separated train.optimizer values, each trained as its own arm on the same "
+                         "extraction; two: their step-time ratio (muon is the Kimi recipe's default)")
     args = ap.parse_args(argv)
     gpu = torch.cuda.is_available()
     assert gpu or args.shape == "tiny", "the Kimi shape needs a GPU; use --shape tiny on CPU"
 
-    from eagle_jobs.committed import download_final
-    from eagle_jobs.errors import ExitCode
-    from eagle_jobs.checkpoint_check import run_inspect
     from eagle_jobs.recipe import Recipe
     from eagle_jobs.store import Store
-    from eagle_jobs.train import run_ranks, run_train
 
     sh, work = SHAPES[args.shape], args.out
     verifier = fake_kimi_verifier(work / "verifier", sh["hidden"], sh["vocab"])
@@ -122,23 +125,51 @@ def main(argv: list[str] | None = None) -> dict:
         "draft": {"hidden_size": sh["hidden"], "num_attention_heads": sh["heads"], "num_key_value_heads": sh["heads"],
                   "head_dim": sh["head_dim"], "intermediate_size": sh["intermediate"],
                   "draft_vocab_size": sh["draft_vocab"]},
-        "train": {"epochs": 1, "lr": 3e-5, "total_seq_len": args.seq_len, "ttt_steps": 3, "log_freq": 1,
-                  "fsdp": args.fsdp},
+        "train": {"epochs": 1, "lr": 1e-4, "total_seq_len": args.seq_len, "ttt_steps": 3, "log_freq": 1,
+                  "fsdp": args.fsdp, "loss": {"implementation": args.loss}},
     })
+    results = {}
+    for optimizer in args.optimizers.split(","):
+        # Each optimizer is one arm on the same committed extraction (speculators' compile cache warm after the first).
+        try:
+            results[optimizer] = train_arm(args, recipe, store, optimizer, work, gpu)
+        except Exception as e:  # one arm's failure is a result too; the next arm still runs
+            results[optimizer] = {"optimizer": optimizer, "error": f"{type(e).__name__}: {e}"[:2000]}
+        print(json.dumps(results[optimizer], indent=1), flush=True)
+    opts = list(results)
+    if len(opts) == 2 and all("median_step_ms" in r for r in results.values()):
+        results["step_ratio"] = {f"{opts[0]}/{opts[1]}": results[opts[0]]["median_step_ms"] / results[opts[1]]["median_step_ms"]}
+    name = f"gpu_check-ranks{args.ranks}{'-fsdp' if args.fsdp else ''}.json" if args.ranks else "gpu_check.json"
+    (work / name).write_text(json.dumps(results, indent=1))
+    if any("error" in r for r in results.values()):
+        raise SystemExit(f"gpu_check: an arm failed; see {work / name}")
+    return results
+
+
+def train_arm(args, recipe, store, optimizer: str, work: Path, gpu: bool) -> dict:
+    """Train `args.steps` steps of the draft under `optimizer` (a compare-style variant of run gpu); its figures."""
+    from eagle_jobs.committed import download_final
+    from eagle_jobs.checkpoint_check import run_inspect
+    from eagle_jobs.errors import ExitCode
+    from eagle_jobs.train import run_ranks, run_train
+
+    recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"optimizer": optimizer})})
     if gpu:
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     t = time.time()
     if args.ranks:
-        rec = run_ranks(recipe, store, "gpu", args.steps, work / "w" / "gpu", args.ranks)
+        rec = run_ranks(recipe, store, "gpu", args.steps, work / "w" / optimizer, args.ranks, variant=optimizer)
     else:
-        rec = run_train(recipe, store, "gpu", max_steps=args.steps, work_dir=work / "w")
+        rec = run_train(recipe, store, "gpu", max_steps=args.steps, work_dir=work / "w", variant=optimizer)
     wall = time.time() - t
     prof = [m["profile"] for m in rec["metrics"] if m.get("profile")]
     steady = prof[3:] or prof
     losses = [m["train"]["loss_0"] for m in rec["metrics"] if "loss_0" in m.get("train", {})]
-    final = download_final(store, "gpu", work / "final")
-    result = {
-        "shape": args.shape, "world_size": rec["world_size"], "fsdp": args.fsdp, "attention": rec["attention"], "loss": rec["loss_implementation"],
+    final = download_final(store, "gpu", work / "final" / optimizer, variant=optimizer)
+    return {
+        "optimizer": optimizer, "shape": args.shape, "world_size": rec["world_size"], "fsdp": args.fsdp,
+        "attention": rec["attention"], "loss": rec["loss_implementation"],
         "hidden_states_dtype": rec["hidden_states_dtype"], "parameters": rec["parameters"], "steps": len(prof),
         "seq_len": args.seq_len, "median_step_ms": statistics.median(p["step_ms"] for p in steady),
         "tokens_per_s": statistics.median(p["tokens_per_s"] for p in steady),
@@ -150,10 +181,6 @@ def main(argv: list[str] | None = None) -> dict:
         "inspect_ok": run_inspect(str(final)) == ExitCode.OK,
         "device": torch.cuda.get_device_name(0) if gpu else "cpu", "torch": torch.__version__,
     }
-    print(json.dumps(result, indent=1))
-    name = f"gpu_check-ranks{args.ranks}{'-fsdp' if args.fsdp else ''}.json" if args.ranks else "gpu_check.json"
-    (work / name).write_text(json.dumps(result, indent=1))
-    return result
 
 
 if __name__ == "__main__":

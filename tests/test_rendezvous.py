@@ -103,6 +103,38 @@ def test_the_train_launcher_passes_exactly_these_arguments(monkeypatch, tmp_path
     rdzv = torchrun_rendezvous_args(2, env)
     start = cmd.index("torch.distributed.run") + 1
     assert cmd[start:start + len(rdzv)] == rdzv
+    # the SIGTERM drain window, which this torch's real torchrun parser accepts (torch 2.11's had no such flag)
+    assert cmd[cmd.index("--shutdown_timeout") + 1] == str(train.RANK_SHUTDOWN_TIMEOUT_S)
+    from torch.distributed.run import get_args_parser
+
+    parsed = get_args_parser().parse_args(cmd[start:cmd.index("-m", start)] + ["x"])
+    assert parsed.shutdown_timeout == train.RANK_SHUTDOWN_TIMEOUT_S
+
+
+def test_a_torchrun_without_shutdown_timeout_gets_no_such_flag(monkeypatch, tmp_path, capsys):
+    """torch 2.11's torchrun (the lent H200's) exits 2 on --shutdown_timeout: the launcher leaves it out, and says
+    what that costs."""
+    import torch.distributed.run as torchrun
+
+    from eagle_jobs import train
+    from eagle_jobs.errors import EagleJobsError
+    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.store import Store
+
+    real = torchrun.get_args_parser
+
+    def parser_of_an_older_torch():
+        p = real()
+        p._actions = [a for a in p._actions if "--shutdown_timeout" not in a.option_strings]
+        return p
+
+    monkeypatch.setattr(torchrun, "get_args_parser", parser_of_an_older_torch)
+    seen = []
+    monkeypatch.setattr(train.subprocess, "Popen", lambda cmd, **kw: seen.append(cmd) or type("P", (), {"wait": lambda s: 1})())
+    recipe = load_recipe(REPO / "jobs/kimi-k2.5.yaml")
+    with pytest.raises(EagleJobsError):
+        train.run_ranks(recipe, Store.open(f"file://{tmp_path}/s"), "r", None, tmp_path / "w", 1)
+    assert "--shutdown_timeout" not in seen[0] and "no --shutdown_timeout" in capsys.readouterr().err
 
 
 def _torchrun(args: list[str], prog: Path, log: Path) -> subprocess.Popen:

@@ -164,3 +164,16 @@ def test_adaptation_9_lk_hybrid_eta_is_bound_and_nothing_else_changes():
     bound = compat.with_loss_parameters(resolve_loss_config("lk_hybrid", "eager"), eta=1.5)["lk_hybrid"][0]
     torch.testing.assert_close(bound(logits, targets), eager.lk_hybrid_loss(logits, targets, eta=1.5))
     assert fused.fused_lk_hybrid_loss.__defaults__ == (3.0,)  # what an unbound spec gets
+
+
+def test_adaptation_12_fused_loss_kernels_hold_their_own_autotune_configs():
+    """speculators 0.9.0 hands its forward and backward loss kernels one triton.autotune object, so
+    both share one `configs` list, which torch 2.11's dynamo refused under compile on an H200."""
+    triton = pytest.importorskip("triton")  # make venv installs it with torch; without it, no fused loss at all
+    from speculators.losses import fused
+
+    kernels = [k for k in vars(fused).values() if isinstance(k, triton.runtime.Autotuner)]
+    before = [[c.kwargs for c in k.configs] for k in kernels]
+    compat.unshare_autotune_configs()
+    assert len(kernels) >= 2 and len({id(k.configs) for k in kernels}) == len(kernels)
+    assert [[c.kwargs for c in k.configs] for k in kernels] == before  # the same candidates, each its own list

@@ -52,6 +52,14 @@ Plus three behaviours we add through a subclass, not a patch:
    requires it for last_epoch >= 0). We build optimizers and schedulers fresh
    (last_epoch -1: initial_lr is the configured lr), then load the optimizer state
    and put every scheduler at the restored global step, the unit it counts in.
+12. `speculators.losses.fused` decorates its forward and backward loss kernels with
+   one `triton.autotune` object, so both kernels' `.configs` are the same list.
+   On a GPU the draft's forward (the loss included) runs under torch.compile,
+   and torch 2.11's dynamo stops there: "ListVariable(length=21) is already
+   tracked for mutation" when the backward kernel's launch meets the list it
+   tracked from the forward's (seen on an H200 through benchmarks/gpu_check.py,
+   2026-12-04). Each autotuned kernel gets its own copy of the list; the values
+   are unchanged.
 """
 
 from __future__ import annotations
@@ -85,10 +93,26 @@ def has_accelerator() -> bool:
 _installed = False
 
 
+def unshare_autotune_configs() -> None:
+    """12: each of speculators' autotuned loss kernels holds its own list of configs (idempotent)."""
+    try:
+        import triton
+        from speculators.losses import fused
+    except ImportError:  # no triton: the fused loss cannot run here, so nothing to compile
+        return
+    for kernel in vars(fused).values():
+        if isinstance(kernel, triton.runtime.Autotuner):
+            kernel.configs = list(kernel.configs)
+
+
 def install() -> None:
-    """Apply adaptations 1-3 (idempotent). A no-op on machines with an accelerator."""
+    """Apply adaptation 12, and 1-3 on machines without an accelerator (idempotent)."""
     global _installed
-    if _installed or has_accelerator():
+    if _installed:
+        return
+    unshare_autotune_configs()
+    if has_accelerator():
+        _installed = True
         return
     # 1. The Trainer passes get_local_rank() to .to() as a device; speculators annotates it as int, but "cpu"
     # is the device meant here: a deliberate replacement, not a type error

@@ -259,6 +259,13 @@ def prune_local_checkpoints(ckpt_dir: Path, committed: int) -> None:
 RANK_SHUTDOWN_TIMEOUT_S = 270
 
 
+def torchrun_has_shutdown_timeout() -> bool:
+    """Whether this torch's torchrun takes --shutdown_timeout (torch 2.13 does; 2.11, on a lent H200, did not)."""
+    from torch.distributed.run import get_args_parser
+
+    return any("--shutdown_timeout" in a.option_strings for a in get_args_parser()._actions)
+
+
 def launch_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | None, work: Path,
                  variant: str | None = None) -> dict | None:
     """With a world size above one, train as torchrun's ranks in child processes; None otherwise.
@@ -290,8 +297,13 @@ def run_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | None, 
     exits.mkdir()
     from eagle_jobs.rendezvous import torchrun_rendezvous_args
 
-    args = [*torchrun_rendezvous_args(nnodes, os.environ), "--nproc_per_node", str(nproc_per_node),
-            "--shutdown_timeout", str(RANK_SHUTDOWN_TIMEOUT_S)]
+    args = [*torchrun_rendezvous_args(nnodes, os.environ), "--nproc_per_node", str(nproc_per_node)]
+    if torchrun_has_shutdown_timeout():
+        args += ["--shutdown_timeout", str(RANK_SHUTDOWN_TIMEOUT_S)]
+    else:
+        console.print(f"[yellow]torch {torch.__version__}'s torchrun has no --shutdown_timeout: after SIGTERM the "
+                      "ranks get its fixed 30 s, which a large draft's checkpoint save may not fit in; the train "
+                      "image's torch (images/train/Dockerfile) has it[/]")
     cmd = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "eagle_jobs.cli", "train",
            "--recipe", str(recipe_file), "--store", store.uri, "--run-id", run_id]
     if max_steps:
