@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fsdp", action="store_true", help="with --ranks: FSDP instead of DDP")
     ap.add_argument("--loss", choices=["auto", "fused", "eager"], default="auto",
                     help="train.loss.implementation (auto: speculators' fused Triton kernels on a GPU)")
+    ap.add_argument("--num-workers", type=int, default=2,
+                    help="train.num_workers: DataLoader workers loading samples ahead of the step (the Kimi recipe's 2)")
     ap.add_argument("--optimizers", default="muon",
                     help="comma-separated train.optimizer values, each trained as its own arm on the same "
                          "extraction; two: their step-time ratio (muon is the Kimi recipe's default)")
@@ -126,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
                   "head_dim": sh["head_dim"], "intermediate_size": sh["intermediate"],
                   "draft_vocab_size": sh["draft_vocab"]},
         "train": {"epochs": 1, "lr": 1e-4, "total_seq_len": args.seq_len, "ttt_steps": 3, "log_freq": 1,
-                  "fsdp": args.fsdp, "loss": {"implementation": args.loss}},
+                  "fsdp": args.fsdp, "loss": {"implementation": args.loss},
+                  "num_workers": args.num_workers},
     })
     results = {}
     for optimizer in args.optimizers.split(","):
@@ -168,7 +171,7 @@ def train_arm(args, recipe, store, optimizer: str, work: Path, gpu: bool) -> dic
     losses = [m["train"]["loss_0"] for m in rec["metrics"] if "loss_0" in m.get("train", {})]
     final = download_final(store, "gpu", work / "final" / optimizer, variant=optimizer)
     return {
-        "optimizer": optimizer, "shape": args.shape, "world_size": rec["world_size"], "fsdp": args.fsdp,
+        "optimizer": optimizer, "num_workers": recipe.train.num_workers, "shape": args.shape, "world_size": rec["world_size"], "fsdp": args.fsdp,
         "attention": rec["attention"], "loss": rec["loss_implementation"],
         "hidden_states_dtype": rec["hidden_states_dtype"], "parameters": rec["parameters"], "steps": len(prof),
         "seq_len": args.seq_len, "median_step_ms": statistics.median(p["step_ms"] for p in steady),

@@ -27,7 +27,8 @@ check tiny 120 --shape tiny --steps 4 --seq-len 1024 --samples 6 || rc=1
 # 1. the Kimi-K2.5 draft shape in one process: flex attention, fused loss, bf16, compile; tokens/s, peak memory,
 #    under Muon (the Kimi recipe's optimizer) then AdamW on the same extraction: the step-time ratio.
 #    Should the fused loss fail, the eager loss still gives the shape's figures. 2026-12-04 on an H200: the Muon
-#    arm took 219 s (116 s of it compile), so 420 s leaves the AdamW arm its time.
+#    arm took 219 s (116 s of it compile), so 420 s leaves the AdamW arm its time. Its data loading was 57% of
+#    a step with num_workers 0; gpu_check now loads with the Kimi recipe's 2 workers (--num-workers).
 check kimi 420 --shape "${SHAPE:-kimi}" --steps "${STEPS:-12}" --seq-len "${SEQ_LEN:-8192}" --optimizers muon,adamw \
   || { rc=1; check kimi-eager-loss 200 --shape "${SHAPE:-kimi}" --steps "${STEPS:-12}" --seq-len "${SEQ_LEN:-8192}" --loss eager; }
 # 2. through torchrun as a multi-GPU pod trains (NCCL, DDP then FSDP), small and short, under Muon

@@ -60,6 +60,28 @@ def test_one_sample_is_one_range_read(tiny_recipe, tmp_path, monkeypatch):
     assert calls == [(e["start"], e["start"] + e["length"])] and e["length"] < size
 
 
+def test_a_sample_read_into_a_bytearray_decodes_in_place(tiny_recipe, tmp_path):
+    """The trainer reads each staged sample into a bytearray and its tensors share that memory: a Kimi-size
+    sample (470 MB) is not copied again, which data loading's share of a GPU step (57%, benchmarks/) asks."""
+    import ctypes
+
+    from eagle_jobs.hsformat import decode_sample
+
+    recipe = tiny_recipe()
+    st = _captured(recipe, f"file://{tmp_path}/s")
+    run_extract(recipe, st, "r")
+    m = extraction_info(st, "r")["manifests"][0]
+    e = m["samples"][-1]
+    raw = st.get(Stage(st, "r", "extract").key(f"data/{next(iter(m['files']))}"), e["start"], e["start"] + e["length"])
+    buf = bytearray(raw)
+    copied, in_place = decode_sample(raw, e), decode_sample(buf, e)
+    for name in ("hidden_states", "token_ids", "loss_mask"):
+        assert torch.equal(copied[name], in_place[name]), name
+    base = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+    assert base <= in_place["hidden_states"].data_ptr() < base + len(buf)
+    assert not base <= copied["hidden_states"].data_ptr() < base + len(buf)  # bytes are read-only: copied
+
+
 def test_bytes_per_token(tiny_recipe, tmp_path):
     recipe = tiny_recipe(extract={"shard_bytes": 10**9})
     st = _captured(recipe, f"file://{tmp_path}/s")

@@ -198,6 +198,19 @@ def test_loss_decreases_on_its_training_data(tiny_recipe, tmp_path, capsys, monk
     assert any(t.startswith("val") and "full_acc_0" in t for t in tags), tags
 
 
+def test_loader_workers_feed_the_same_batches(tiny_recipe, tmp_path):
+    """train.num_workers > 0: speculators' DataLoader spawns workers, which import our dataset by name (a class
+    local to a function cannot be pickled: it used to fail). Same seed, same batches: the same losses."""
+    recipe = tiny_recipe(train={"epochs": 1})
+    st = _prepared(recipe, f"file://{tmp_path}/s")
+    losses = {}
+    for workers in (0, 2):
+        r = recipe.model_copy(update={"train": recipe.train.model_copy(update={"num_workers": workers})})
+        rec = run_train(r, st, "r", work_dir=tmp_path / f"w{workers}", variant=f"workers{workers}")
+        losses[workers] = [m["train"]["loss_0"] for m in rec["metrics"] if "loss_0" in m.get("train", {})]
+    assert len(losses[0]) >= 2 and losses[2] == pytest.approx(losses[0], rel=1e-5)
+
+
 def test_resume_after_sigterm_mid_training(tiny_recipe, tmp_path, monkeypatch):
     """A pod killed mid-training resumes from its last committed checkpoint, optimizer and scheduler included."""
     recipe = tiny_recipe(train={"epochs": 3, "total_seq_len": 64})

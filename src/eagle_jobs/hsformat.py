@@ -97,19 +97,28 @@ def encode_shard(samples: list[Sample], layer_ids: list[int], storage: str) -> t
     return prefix + b"".join(chunks), index
 
 
-def decode_sample(buf: bytes, entry: dict, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """One sample from its byte range: hidden_states [T, L, H] in `dtype`, token_ids, loss_mask."""
+def decode_sample(buf: bytes | bytearray, entry: dict, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """One sample from its byte range: hidden_states [T, L, H] in `dtype`, token_ids, loss_mask.
+
+    A bytearray is decoded in place (the tensors share its memory: no copy of a Kimi-size sample's
+    470 MB); bytes, which are read-only, are copied tensor by tensor."""
     out: dict[str, torch.Tensor] = {}
+    writable = isinstance(buf, bytearray)
     mv = memoryview(buf)
     for name, t in entry["tensors"].items():
         tdtype = _TORCH[t["dtype"]]
         n = 1
         for d in t["shape"]:
             n *= d
-        nbytes = n * torch.empty((), dtype=tdtype).element_size()
-        raw = bytearray(mv[t["offset"] : t["offset"] + nbytes])
-        out[name] = (torch.frombuffer(raw, dtype=tdtype).reshape(t["shape"]) if n
-                     else torch.empty(t["shape"], dtype=tdtype))
+        if not n:
+            out[name] = torch.empty(t["shape"], dtype=tdtype)
+            continue
+        if writable:
+            flat = torch.frombuffer(buf, dtype=tdtype, count=n, offset=t["offset"])
+        else:
+            nbytes = n * torch.empty((), dtype=tdtype).element_size()
+            flat = torch.frombuffer(bytearray(mv[t["offset"] : t["offset"] + nbytes]), dtype=tdtype)
+        out[name] = flat.reshape(t["shape"])
     hs = out["hidden_states"]
     if "scales" in out:
         hs = hs.float() * out.pop("scales").unsqueeze(-1)

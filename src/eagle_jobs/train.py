@@ -84,45 +84,6 @@ class ShardStager:
         return self
 
 
-def _dataset_class():
-    from speculators.train.data import BaseDataset
-
-    class StoreHiddenStatesDataset(BaseDataset):
-        """Samples of one split, read from staged shards or by range reads from the store."""
-
-        def __init__(self, store_uri: str, run_id: str, items: list[tuple[str, str, dict]], stage_root: str,
-                     max_len: int, dtype: torch.dtype):
-            self.store_uri, self.run_id, self.items, self.stage_root = store_uri, run_id, items, stage_root
-            self._store: Store | None = None
-            super().__init__(max_len, dtype)
-
-        def _compute_approx_lengths(self):
-            return [min(e["num_tokens"], self.max_len) for _f, _l, e in self.items]
-
-        def __len__(self):
-            return len(self.items)
-
-        def _get_raw_data(self, index: int):
-            from eagle_jobs.hsformat import decode_sample
-
-            fname, local_name, e = self.items[index]
-            local = Path(self.stage_root) / local_name
-            if local.exists():
-                with open(local, "rb") as f:
-                    f.seek(e["start"])
-                    buf = f.read(e["length"])
-            else:
-                if self._store is None:
-                    self._store = Store.open(self.store_uri)
-                buf = self._store.get(f"{self.run_id}/{EXTRACT}/data/{fname}", e["start"], e["start"] + e["length"])
-            s = decode_sample(buf, e, self.hidden_states_dtype)
-            hs = s["hidden_states"]  # [T, L, H]: aux layers, then the final layer
-            return {"hidden_states": hs[:, :-1].flatten(1), "input_ids": s["token_ids"],
-                    "verifier_last_hidden_states": hs[:, -1], "loss_mask": s["loss_mask"]}
-
-    return StoreHiddenStatesDataset
-
-
 def token_frequencies(manifests: list[dict], store: Store, run_id: str) -> Counter:
     """Counts of loss-masked target tokens in the training split (speculators' token_freq)."""
 
@@ -469,12 +430,14 @@ class TrainData:
                     items[e["split"]].append((fname, ShardStager.local_name(fname, finfo), e))
         if not items["train"]:
             raise BadInput(f"run '{run_id}' has no training samples with loss tokens")
-        dataset, T = _dataset_class(), recipe.train.total_seq_len
+        from eagle_jobs.train_data import StoreHiddenStatesDataset
+
+        T = recipe.train.total_seq_len
 
         def loader(split: str):
             if not items[split]:
                 return None
-            ds = dataset(store.uri, run_id, items[split], str(stager.root), T, hs_dtype)
+            ds = StoreHiddenStatesDataset(store.uri, run_id, items[split], str(stager.root), T, hs_dtype)
             return _setup_dataloader(ds, T, shape.hidden_size, num_workers=recipe.train.num_workers,
                                      num_target_layers=len(recipe.aux_layer_ids), prefetch_factor=4,
                                      preprocess=shift_batch, seed=recipe.train.seed)
