@@ -103,7 +103,9 @@ def test_the_train_launcher_passes_exactly_these_arguments(monkeypatch, tmp_path
     rdzv = torchrun_rendezvous_args(2, env)
     start = cmd.index("torch.distributed.run") + 1
     assert cmd[start:start + len(rdzv)] == rdzv
-    # the SIGTERM drain window, which this torch's real torchrun parser accepts (torch 2.11's had no such flag)
+    # the SIGTERM drain window, which this torch's real torchrun parser accepts (torch 2.11's had no such flag;
+    # make venv installs torch 2.13.0 (Makefile TORCH_SPEC), as the train image does, which has it)
+    assert train.torchrun_has_shutdown_timeout()
     assert cmd[cmd.index("--shutdown_timeout") + 1] == str(train.RANK_SHUTDOWN_TIMEOUT_S)
     from torch.distributed.run import get_args_parser
 

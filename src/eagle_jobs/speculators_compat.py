@@ -1,7 +1,8 @@
 """Every adaptation of speculators 0.9.0 that eagle-jobs makes, in one place.
 
 speculators' Trainer assumes an accelerator. On a CPU-only machine we change
-exactly these points (each has a test in tests/test_speculators_compat.py):
+exactly points 1-4 and 7; on every machine, 12 (each adaptation has a test in
+tests/test_speculators_compat.py):
 
 1. `Trainer.setup_model` moves the model to `get_local_rank()` (an int):
    on CPU the device is "cpu".
@@ -17,7 +18,7 @@ exactly these points (each has a test in tests/test_speculators_compat.py):
    topology state, so the DDP/FSDP code paths (rank-0 saves, barriers, the
    distributed sampler) run, and are tested, on CPU (see below).
 
-Plus three behaviours we add through a subclass, not a patch:
+Behaviours we add through a subclass, not a patch (5, 6, 8-11):
 5. after each checkpoint the directory is committed to the store (rank 0),
    optimizer and scheduler state converted from torch pickles to
    safetensors + JSON so nothing read back from a bucket is ever unpickled;
@@ -52,6 +53,7 @@ Plus three behaviours we add through a subclass, not a patch:
    requires it for last_epoch >= 0). We build optimizers and schedulers fresh
    (last_epoch -1: initial_lr is the configured lr), then load the optimizer state
    and put every scheduler at the restored global step, the unit it counts in.
+And one patch of module state, for GPUs:
 12. `speculators.losses.fused` decorates its forward and backward loss kernels with
    one `triton.autotune` object, so both kernels' `.configs` are the same list.
    On a GPU the draft's forward (the loss included) runs under torch.compile,
