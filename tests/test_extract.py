@@ -60,14 +60,15 @@ def test_one_sample_is_one_range_read(tiny_recipe, tmp_path, monkeypatch):
     assert calls == [(e["start"], e["start"] + e["length"])] and e["length"] < size
 
 
-def test_a_sample_read_into_a_bytearray_decodes_in_place(tiny_recipe, tmp_path):
+@pytest.mark.parametrize("storage", ["bfloat16", "fp8"])
+def test_a_sample_read_into_a_bytearray_decodes_in_place(tiny_recipe, tmp_path, storage):
     """The trainer reads each staged sample into a bytearray and its tensors share that memory: a Kimi-size
     sample (470 MB) is not copied again, which data loading's share of a GPU step (57%, benchmarks/) asks."""
     import ctypes
 
     from eagle_jobs.hsformat import decode_sample
 
-    recipe = tiny_recipe()
+    recipe = tiny_recipe(extract={"storage_dtype": storage})
     st = _captured(recipe, f"file://{tmp_path}/s")
     run_extract(recipe, st, "r")
     m = extraction_info(st, "r")["manifests"][0]
@@ -78,8 +79,9 @@ def test_a_sample_read_into_a_bytearray_decodes_in_place(tiny_recipe, tmp_path):
     for name in ("hidden_states", "token_ids", "loss_mask"):
         assert torch.equal(copied[name], in_place[name]), name
     base = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
-    assert base <= in_place["hidden_states"].data_ptr() < base + len(buf)
-    assert not base <= copied["hidden_states"].data_ptr() < base + len(buf)  # bytes are read-only: copied
+    shared = in_place["token_ids"] if storage == "fp8" else in_place["hidden_states"]  # fp8 is scaled: a new tensor
+    assert base <= shared.data_ptr() < base + len(buf)
+    assert not base <= copied["token_ids"].data_ptr() < base + len(buf)  # bytes are read-only: copied
 
 
 def test_bytes_per_token(tiny_recipe, tmp_path):
