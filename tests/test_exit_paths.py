@@ -190,10 +190,14 @@ def test_a_signal_mid_run_keeps_what_was_committed_stops_the_server_and_the_reru
         proc = subprocess.Popen([EAGLE_JOBS, "capture", "--recipe", str(recipe)], env=env("slow", mark),
                                 stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
+        # the guard first (it lives as long as the server), so that nothing slow stands between the first
+        # committed shard and the signal: on a loaded machine a process scan there let the run finish first
+        while not any("eagle_jobs.vllm_guard" in " ".join(p.cmdline()) for p in marked(mark)):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "first.out").read_text()
+            time.sleep(0.2)
         while not Stage(st, "t", "capture").manifests():
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "first.out").read_text()
             time.sleep(0.2)
-        assert any("eagle_jobs.vllm_guard" in " ".join(p.cmdline()) for p in marked(mark))
         proc.send_signal(sig)
         rc = proc.wait(timeout=120)
     text = (tmp_path / "first.out").read_text()
