@@ -187,11 +187,14 @@ def test_a_signal_mid_run_keeps_what_was_committed_stops_the_server_and_the_reru
     recipe, mark = make("slow"), uuid.uuid4().hex
     st = store_of(tmp_path)
     with open(tmp_path / "first.out", "w") as out:
+        # preexec: ^C as a terminal delivers it. A command started in the background of a non-interactive
+        # shell (a CI runner's or `nohup ... &`) inherits SIGINT ignored (bash(1), "COMMAND EXECUTION
+        # ENVIRONMENT"), and Python then installs no KeyboardInterrupt handler: the run would finish, exit 0
         proc = subprocess.Popen([EAGLE_JOBS, "capture", "--recipe", str(recipe)], env=env("slow", mark),
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                                 stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
-        # the guard first (it lives as long as the server), so that nothing slow stands between the first
-        # committed shard and the signal: on a loaded machine a process scan there let the run finish first
+        # the guard first (it lives as long as the server), then signal at the first committed shard
         while not any("eagle_jobs.vllm_guard" in " ".join(p.cmdline()) for p in marked(mark)):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "first.out").read_text()
             time.sleep(0.2)

@@ -17,12 +17,10 @@ from eagle_jobs.layout import StageName, train_dir
 from eagle_jobs.records import Row
 from eagle_jobs.store import Stage, Store
 
-CAPTURE, EXTRACT = StageName.CAPTURE.dir, StageName.EXTRACT.dir
-
 
 def read_rows(store: Store, run_id: str, require_complete: bool = True) -> list[Row]:
     """Every committed capture row of a run, in row-id order."""
-    stage = Stage(store, run_id, CAPTURE)
+    stage = Stage(store, run_id, StageName.CAPTURE.dir)
     if require_complete and not stage.is_complete():
         raise NotReady(f"capture of run '{run_id}' is not complete in {store.uri}: run `eagle-jobs capture` first")
     rows = []
@@ -36,7 +34,7 @@ def read_rows(store: Store, run_id: str, require_complete: bool = True) -> list[
 
 def extraction_info(store: Store, run_id: str) -> dict:
     """What the train/evaluate stages need to know about a committed extraction."""
-    stage = Stage(store, run_id, EXTRACT)
+    stage = Stage(store, run_id, StageName.EXTRACT.dir)
     if not stage.is_complete():
         raise NotReady(f"extract of run '{run_id}' is not complete in {store.uri}: run `eagle-jobs extract` first")
     manifests = stage.manifests()
@@ -49,14 +47,19 @@ def extraction_info(store: Store, run_id: str) -> dict:
             "storage": manifests[0]["storage"]}
 
 
+def read_sample_bytes(store: Store, run_id: str, fname: str, entry: dict) -> bytes:
+    """One sample's bytes from shard `fname` of the run's extraction: one range read, never the
+    whole object (a Kimi-size shard is tens of GB)."""
+    key = Stage(store, run_id, StageName.EXTRACT.dir).key(f"data/{fname}")
+    return store.get(key, entry["start"], entry["start"] + entry["length"])
+
+
 def read_sample(store: Store, run_id: str, manifest: dict, entry: dict, dtype=torch.bfloat16) -> dict:
-    """One hidden-state sample with one range read of its shard (never the whole object)."""
+    """One decoded hidden-state sample of a shard's manifest."""
     from eagle_jobs.hsformat import decode_sample
 
     (fname,) = manifest["files"]
-    key = Stage(store, run_id, EXTRACT).key(f"data/{fname}")
-    buf = store.get(key, entry["start"], entry["start"] + entry["length"])
-    return decode_sample(buf, entry, dtype)
+    return decode_sample(read_sample_bytes(store, run_id, fname, entry), entry, dtype)
 
 
 def download_final(store: Store, run_id: str, dest: Path, variant: str | None = None) -> Path:

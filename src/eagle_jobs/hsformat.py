@@ -100,11 +100,11 @@ def encode_shard(samples: list[Sample], layer_ids: list[int], storage: str) -> t
 def decode_sample(buf: bytes | bytearray, entry: dict, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """One sample from its byte range: hidden_states [T, L, H] in `dtype`, token_ids, loss_mask.
 
-    A bytearray is decoded in place (the tensors share its memory: no copy of a Kimi-size sample's
-    470 MB); bytes, which are read-only, are copied tensor by tensor."""
+    Decoded in place: the tensors share the buffer's memory, so a bytearray costs no copy of a
+    Kimi-size sample's 470 MB. bytes, which are read-only, are copied into one bytearray first."""
+    if not isinstance(buf, bytearray):
+        buf = bytearray(buf)
     out: dict[str, torch.Tensor] = {}
-    writable = isinstance(buf, bytearray)
-    mv = memoryview(buf)
     for name, t in entry["tensors"].items():
         tdtype = _TORCH[t["dtype"]]
         n = 1
@@ -113,11 +113,7 @@ def decode_sample(buf: bytes | bytearray, entry: dict, dtype: torch.dtype = torc
         if not n:
             out[name] = torch.empty(t["shape"], dtype=tdtype)
             continue
-        if writable:
-            flat = torch.frombuffer(buf, dtype=tdtype, count=n, offset=t["offset"])
-        else:
-            nbytes = n * torch.empty((), dtype=tdtype).element_size()
-            flat = torch.frombuffer(bytearray(mv[t["offset"] : t["offset"] + nbytes]), dtype=tdtype)
+        flat = torch.frombuffer(buf, dtype=tdtype, count=n, offset=t["offset"])
         out[name] = flat.reshape(t["shape"])
     hs = out["hidden_states"]
     if "scales" in out:

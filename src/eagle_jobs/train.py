@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from eagle_jobs.committed import EXTRACT, extraction_info, read_rows
+from eagle_jobs.committed import extraction_info, read_rows
 from eagle_jobs.draft import (
     DraftShape,
     build_draft_model,
@@ -55,7 +55,8 @@ class ShardStager:
     """
 
     def __init__(self, store: Store, run_id: str, manifests: list[dict], root: Path, budget: int):
-        self.store, self.stage, self.root, self.budget = store, Stage(store, run_id, EXTRACT), root, budget
+        self.store, self.root, self.budget = store, root, budget
+        self.stage = Stage(store, run_id, StageName.EXTRACT.dir)
         self.manifests = manifests
         root.mkdir(parents=True, exist_ok=True)
         self.thread = threading.Thread(target=self._run, daemon=True)

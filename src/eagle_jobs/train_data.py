@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from speculators.train.data import BaseDataset
 
+from eagle_jobs.committed import read_sample_bytes
 from eagle_jobs.hsformat import decode_sample
-from eagle_jobs.layout import StageName
-from eagle_jobs.store import Stage, Store
+from eagle_jobs.store import Store
 
 
 class StoreHiddenStatesDataset(BaseDataset):
@@ -25,7 +25,7 @@ class StoreHiddenStatesDataset(BaseDataset):
     def __init__(self, store_uri: str, run_id: str, items: list[tuple[str, str, dict]], stage_root: str,
                  max_len: int, dtype: torch.dtype):
         self.store_uri, self.run_id, self.items, self.stage_root = store_uri, run_id, items, stage_root
-        self._stage: Stage | None = None  # opened in the process that reads (a worker, with num_workers > 0)
+        self._store: Store | None = None  # opened in the process that reads (a worker, with num_workers > 0)
         super().__init__(max_len, dtype)
 
     def _compute_approx_lengths(self):
@@ -43,9 +43,9 @@ class StoreHiddenStatesDataset(BaseDataset):
                 if f.readinto(buf) != e["length"]:
                     raise OSError(f"{local}: shorter than its manifest says; delete it to stage it again")
             return buf
-        if self._stage is None:
-            self._stage = Stage(Store.open(self.store_uri), self.run_id, StageName.EXTRACT.dir)
-        return self._stage.store.get(self._stage.key(f"data/{fname}"), e["start"], e["start"] + e["length"])
+        if self._store is None:
+            self._store = Store.open(self.store_uri)
+        return read_sample_bytes(self._store, self.run_id, fname, e)
 
     def _get_raw_data(self, index: int):
         s = decode_sample(self._read(*self.items[index]), self.items[index][2], self.hidden_states_dtype)
