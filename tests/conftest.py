@@ -176,7 +176,8 @@ def draft_call_kwargs(recipe, loss_implementation: str) -> dict:
     return trainer_call_kwargs(recipe, loss_implementation)[0]
 
 
-# Test tiers (`make test-fast` runs `-m "not vllm and not train"`; `make test` runs everything).
+# Test tiers (`make test-fast` runs `-m "not vllm and not train and not e2e"`; `make test` runs everything).
+# e2e: runs eagle-jobs end to end as its own processes (exit codes, signals, server lifetimes); marked per module.
 # vllm: starts a real vLLM server; train: trains a draft (speculators' trainer, torchrun ranks);
 # s3: talks to moto's S3 server; k8s: renders manifests with kustomize. s3 and k8s are marked from
 # the fixtures and modules a test uses; vllm and train are marked per module or per test, and the

@@ -27,6 +27,8 @@ from test_cli_errors import EAGLE_JOBS, one_line, run_cli
 from eagle_jobs.errors import ExitCode
 from eagle_jobs.store import Stage, Store
 
+pytestmark = pytest.mark.e2e
+
 MARK = "EAGLE_JOBS_TEST_EXIT_PATH"
 SHARDS = 3  # tiny_recipe: 12 conversations, 4 a shard
 ROW_IDS = [f"{i:08d}-{t:02d}" for i in range(12) for t in range(2 if i % 4 == 0 else 1)]  # every 4th: 2 turns

@@ -3,6 +3,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -13,6 +15,7 @@ def _gpu_check():
     return gpu_check
 
 
+@pytest.mark.train  # gpu_check.train_arm trains, outside what conftest's marker inference reads
 def test_gpu_check_script_runs_at_tiny_shape_on_cpu(tmp_path):
     rs = _gpu_check().main(["--shape", "tiny", "--steps", "4", "--seq-len", "256", "--samples", "6",
                             "--optimizers", "muon,adamw", "--out", str(tmp_path)])
@@ -24,6 +27,7 @@ def test_gpu_check_script_runs_at_tiny_shape_on_cpu(tmp_path):
     assert (tmp_path / "gpu_check.json").is_file()
 
 
+@pytest.mark.train
 def test_gpu_check_through_torchrun_on_cpu(tmp_path):
     r = _gpu_check().main(["--shape", "tiny", "--ranks", "1", "--fsdp", "--steps", "3", "--seq-len", "256",
                            "--samples", "5", "--out", str(tmp_path)])["muon"]

