@@ -234,18 +234,44 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.k8s)
 
 
+REFUSED_VLLM_EXIT = 97
+
+
+@pytest.fixture(scope="session")
+def vllm_refusal_bin(tmp_path_factory) -> Path:
+    """A `vllm` first on PATH that refuses `serve` (exit 97, one line) and runs the real one otherwise:
+    a stage started as a process of its own finds it as vllm_server.executable() would find vLLM."""
+    bindir = tmp_path_factory.mktemp("vllm-refusal")
+    real = Path(sys.executable).parent / "vllm"
+    (bindir / "vllm").write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = serve ]; then\n'
+        '  echo "tests/conftest.py: real vLLM started outside the vllm tier by $EAGLE_JOBS_TEST_NODE:'
+        ' mark it @pytest.mark.vllm" >&2\n'
+        f"  exit {REFUSED_VLLM_EXIT}\n"
+        "fi\n"
+        f'exec "{real}" "$@"\n')
+    (bindir / "vllm").chmod(0o755)
+    return bindir
+
+
 @pytest.fixture(autouse=True)
-def _real_vllm_only_in_the_vllm_tier(request, monkeypatch):
+def _real_vllm_only_in_the_vllm_tier(request, monkeypatch, vllm_refusal_bin):
     import subprocess
 
     if request.node.get_closest_marker("vllm"):
         yield
         return
+    # children too: a stage run as its own process (`eagle-jobs capture ...`) looks vLLM up on PATH, where
+    # the refusing `vllm` comes first; a test that puts a stand-in `vllm` on PATH puts it before this one
+    monkeypatch.setenv("PATH", f"{vllm_refusal_bin}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setenv("EAGLE_JOBS_TEST_NODE", request.node.nodeid)
+    refused = REAL_VLLM | {str(vllm_refusal_bin / "vllm")}
 
     class Guarded(subprocess.Popen):
         def __init__(self, args, *a, **kw):
             argv = [str(x) for x in (args if isinstance(args, (list, tuple)) else [args])]
-            if REAL_VLLM & set(argv) and "serve" in argv:
+            if refused & set(argv) and "serve" in argv:
                 raise AssertionError(f"{request.node.nodeid} starts real vLLM: mark it @pytest.mark.vllm")
             super().__init__(args, *a, **kw)
 
