@@ -105,7 +105,13 @@ def test_report(trained, tmp_path):
     assert len(rep["per_position_acceptance"]) == 2
     files = {k.rsplit("/", 1)[1] for k in st.list("r/eval/data")}
     assert {"report.json", "report.md", "training.png", "acceptance.png", "tau.png"} <= files
-    assert json.loads(st.get("r/eval/data/report.json"))["acceptance_length"] == rep["acceptance_length"]
+    stored = json.loads(st.get("r/eval/data/report.json"))
+    assert stored["acceptance_length"] == rep["acceptance_length"]
+    # the stored report is the typed record, field for field (records.py; FORMAT.md names each field)
+    from eagle_jobs.records import EvalReport, PromptSetResult
+
+    assert set(stored) == set(EvalReport.__annotations__)
+    assert all(set(s) == set(PromptSetResult.__annotations__) for s in stored["prompt_sets"].values())
     assert st.get("r/eval/data/tau.png")[:8] == b"\x89PNG\r\n\x1a\n"
     out = tmp_path / "out"
     p = tmp_path / "extra.jsonl"

@@ -69,3 +69,32 @@ def test_stages_are_peers():
                 imported.add(node.module.removeprefix("eagle_jobs").strip("."))
                 imported.update(a.name for a in node.names if node.module == "eagle_jobs")
         assert not (imported & (stages - {name})), f"{name}.py imports {sorted(imported & stages)}"
+
+
+def _section(title: str) -> str:
+    start = DOC.index(f"\n## {title}\n")
+    end = DOC.find("\n## ", start + 1)
+    return DOC[start:end if end > 0 else None]
+
+
+def test_report_records_are_documented_field_by_field():
+    """Every field of the typed eval and compare reports is named in its FORMAT.md section, and each
+    section's typed records are the ones evaluate and compare build (their annotations)."""
+    from eagle_jobs.records import (
+        ArmSetResult,
+        CompareArm,
+        CompareReport,
+        EvalReport,
+        PromptSetResult,
+        SpeedLevel,
+        SpeedTable,
+        TimedPass,
+    )
+
+    for section, records in {"eval": [EvalReport, PromptSetResult, SpeedTable, SpeedLevel, TimedPass],
+                             "variants and compare": [CompareReport, CompareArm, ArmSetResult]}.items():
+        spans = re.findall(r"`([^`]+)`", _section(section))  # `field`, or `{field, other: {...}}` over lines
+        named = {word for span in spans for word in re.findall(r"[a-z_][a-z_0-9]*", span)}
+        for record in records:
+            missing = set(record.__annotations__) - named
+            assert not missing, f"docs/FORMAT.md '{section}' does not name {record.__name__}'s {sorted(missing)}"

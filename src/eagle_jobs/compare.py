@@ -21,6 +21,7 @@ from eagle_jobs.errors import BadInput
 from eagle_jobs.layout import COMPARE, eval_dir, train_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import BASE_VARIANT, Recipe
+from eagle_jobs.records import ArmSetResult, CompareArm, CompareReport, EvalReport
 from eagle_jobs.store import Stage, Store
 
 
@@ -55,33 +56,33 @@ def run_arm(recipe: Recipe, store: Store, run_id: str, name: str, train_only: bo
     return "done"
 
 
-def arm_row(store: Store, run_id: str, name: str, recipe: Recipe) -> dict:
+def arm_row(store: Store, run_id: str, name: str, recipe: Recipe) -> CompareArm:
     """One line of the table from what the arm committed (its report and training record)."""
     stage, train = Stage(store, run_id, eval_dir(name)), Stage(store, run_id, train_dir(name))
     m, fm = stage.manifest("report"), train.manifest("final")
     assert m is not None and fm is not None, "only arms whose evaluation is complete come here: both are committed"
-    report = json.loads(stage.read("report.json", m["files"]["report.json"]))
+    report: EvalReport = json.loads(stage.read("report.json", m["files"]["report.json"]))
     record = json.loads(train.read("final/train_config.json", fm["files"]["final/train_config.json"]))
     over = recipe.variants[name].model_dump() if name != BASE_VARIANT else {}
-    sets = {}
-    for set_name, s in report["prompt_sets"].items():
-        sets[set_name] = {k: s.get(k) for k in ("acceptance_length", "per_position_acceptance", "num_prompts",
-                                                 "baseline_acceptance_length", "speedup", "prompts_sha256")}
-    return {"variant": name, "overrides": {k: v for k, v in over.items() if v},
-            "prompt_sets": sets, "train_seconds": record.get("train_seconds"),
-            "epochs": record.get("epochs"), "selection": record.get("selection"),
-            "teacher_forced_estimate": report.get("teacher_forced_estimate")}
+    sets = {set_name: ArmSetResult(
+        acceptance_length=s["acceptance_length"], per_position_acceptance=s["per_position_acceptance"],
+        num_prompts=s["num_prompts"], baseline_acceptance_length=s["baseline_acceptance_length"],
+        speedup=s.get("speedup"), prompts_sha256=s["prompts_sha256"]) for set_name, s in report["prompt_sets"].items()}
+    return CompareArm(variant=name, overrides={k: v for k, v in over.items() if v}, prompt_sets=sets,
+                      train_seconds=record.get("train_seconds"), epochs=record.get("epochs"),
+                      selection=record.get("selection"), teacher_forced_estimate=report.get("teacher_forced_estimate"))
 
 
-def speedup_at(s: dict, concurrency: int) -> float | None:
+def speedup_at(s: ArmSetResult, concurrency: int) -> float | None:
     """The arm's output-token speedup at one concurrency, where evaluate measured it."""
-    for point in (s.get("speedup") or {}).get("levels", []):
-        if point.get("concurrency") == concurrency:
-            return point.get("speedup")
+    table = s.get("speedup")
+    for point in table["levels"] if table else []:
+        if point["concurrency"] == concurrency:
+            return point["speedup"]
     return None
 
 
-def table_md(rows: list[dict], run_id: str) -> str:
+def table_md(rows: list[CompareArm], run_id: str) -> str:
     sets = list(rows[0]["prompt_sets"]) if rows else []
     head = ["variant", "overrides"] + [f"tau {s}" for s in sets] + [f"per position {s}" for s in sets[:1]] \
         + [f"speedup c=1 {s}" for s in sets[:1]] + ["train s"]
@@ -101,7 +102,7 @@ def table_md(rows: list[dict], run_id: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot_png(rows: list[dict]) -> bytes:
+def plot_png(rows: list[CompareArm]) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,7 +130,7 @@ def plot_png(rows: list[dict]) -> bytes:
 
 
 def run_compare(recipe: Recipe, store: Store, run_id: str, only: list[str] | None = None,
-                report_only: bool = False, arm_index: int | None = None) -> dict:
+                report_only: bool = False, arm_index: int | None = None) -> CompareReport | dict[str, str]:
     """Every arm (or `only` some, or the `arm_index`-th: one train replica on Kubernetes, which
     trains its arm and returns), then the table of every committed arm."""
     if not recipe.variants and not only:
@@ -152,7 +153,7 @@ def run_compare(recipe: Recipe, store: Store, run_id: str, only: list[str] | Non
     rows = [arm_row(store, run_id, n, recipe) for n in done]
     if not rows:
         raise BadInput(f"compare: no variant of run '{run_id}' has a committed evaluation yet")
-    report = {"run_id": run_id, "recipe": recipe.name, "variants": rows, "missing": sorted(set(every) - set(done))}
+    report = CompareReport(run_id=run_id, recipe=recipe.name, variants=rows, missing=sorted(set(every) - set(done)))
     files = {"report.json": json.dumps(report, indent=1).encode(), "report.md": table_md(rows, run_id).encode(),
              "compare.png": plot_png(rows)}
     stage = Stage(store, run_id, COMPARE)

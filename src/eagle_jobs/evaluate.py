@@ -33,6 +33,7 @@ from eagle_jobs.layout import StageName, content_hash, eval_dir, train_dir
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.prompts import load_prompts
 from eagle_jobs.recipe import PromptSpec, Recipe
+from eagle_jobs.records import EvalReport, PromptSetResult, SpeedLevel, SpeedTable, TimedPass
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.vllm_server import ServePlan
 
@@ -420,7 +421,7 @@ def stream_chat(client, base: str, body: dict) -> tuple[int, float]:
     return tokens, ttft
 
 
-def timed_pass(recipe: Recipe, base: str, bodies: list[dict], concurrency: int) -> dict:
+def timed_pass(recipe: Recipe, base: str, bodies: list[dict], concurrency: int) -> TimedPass:
     """`concurrency` requests in flight until every body is answered (each worker sends its next request
     as its last one ends). Output tokens per second over the pass's wall time, and each request's TTFT."""
     import httpx
@@ -432,19 +433,19 @@ def timed_pass(recipe: Recipe, base: str, bodies: list[dict], concurrency: int) 
         answers = list(pool.map(lambda b: stream_chat(c, base, b), bodies))
         seconds = time.perf_counter() - start
     tokens, ttft = sum(a[0] for a in answers), sorted(a[1] for a in answers)
-    return {"requests": len(bodies), "output_tokens": tokens, "seconds": seconds,
-            "output_tokens_per_s": tokens / seconds, "ttft_s_mean": sum(ttft) / len(ttft),
-            "ttft_s_p50": statistics.median(ttft), "ttft_s_max": ttft[-1]}
+    return TimedPass(requests=len(bodies), output_tokens=tokens, seconds=seconds,
+                     output_tokens_per_s=tokens / seconds, ttft_s_mean=sum(ttft) / len(ttft),
+                     ttft_s_p50=statistics.median(ttft), ttft_s_max=ttft[-1])
 
 
 def measure_speed(recipe: Recipe, base: str, model: str, sets: dict[str, list[list[dict]]],
-                  label: str) -> dict[str, dict[int, dict]]:
+                  label: str) -> dict[str, dict[int, TimedPass]]:
     """Every set at every evaluate.concurrency_levels, after a warm-up that is not counted. Each level
     takes the set's next prompts (distinct while the set lasts), so no level finds its prompts cached."""
     ev = recipe.evaluate
     top = max(ev.concurrency_levels)
     timed_pass(recipe, base, [chat_body(recipe, model, WARM_UP)] * top, top)  # one-off first-request costs
-    out: dict[str, dict[int, dict]] = {}
+    out: dict[str, dict[int, TimedPass]] = {}
     for name, prompts in sets.items():
         offset, out[name] = 0, {}
         for level in ev.concurrency_levels:
@@ -458,7 +459,7 @@ def measure_speed(recipe: Recipe, base: str, model: str, sets: dict[str, list[li
     return out
 
 
-def speed_without_draft(recipe: Recipe, sets: dict[str, list[list[dict]]]) -> dict[str, dict[int, dict]]:
+def speed_without_draft(recipe: Recipe, sets: dict[str, list[list[dict]]]) -> dict[str, dict[int, TimedPass]]:
     """The same timed passes on a server with the same serve_args and no --speculative-config. A second
     process: vLLM 0.32 fixes speculative decoding per engine (VllmConfig.speculative_config, built once
     from --speculative-config) and has no request field or batch-size rule that turns it off."""
@@ -468,14 +469,15 @@ def speed_without_draft(recipe: Recipe, sets: dict[str, list[list[dict]]]) -> di
         return measure_speed(recipe, base, served_model(base), sets, "without a draft")
 
 
-def speedup_table(with_draft: dict[int, dict] | None, without: dict[int, dict] | None, recipe: Recipe) -> dict | None:
+def speedup_table(with_draft: dict[int, TimedPass] | None, without: dict[int, TimedPass] | None,
+                  recipe: Recipe) -> SpeedTable | None:
     """One set's speed per concurrency level: with and without the draft, and their ratio."""
     if not with_draft or not without:
         return None
-    levels = [{"concurrency": lv, "requests": w["requests"], "with_draft": w, "without_draft": without[lv],
-               "speedup": w["output_tokens_per_s"] / without[lv]["output_tokens_per_s"]}
+    levels = [SpeedLevel(concurrency=lv, requests=w["requests"], with_draft=w, without_draft=without[lv],
+                         speedup=w["output_tokens_per_s"] / without[lv]["output_tokens_per_s"])
               for lv, w in with_draft.items()]
-    return {"max_tokens": recipe.evaluate.max_new_tokens, "levels": levels}
+    return SpeedTable(max_tokens=recipe.evaluate.max_new_tokens, levels=levels)
 
 
 def teacher_forced_estimate(metrics: list[dict], k: int, epoch: int | None = None) -> float | None:
@@ -528,7 +530,7 @@ def measure_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict
 
 
 def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None = None,
-                 output: Path | None = None, variant: str | None = None) -> dict:
+                 output: Path | None = None, variant: str | None = None) -> EvalReport:
     """tau (and speed) of the run's final draft, or of one `compare` variant's, on every prompt set."""
     from eagle_jobs.verifier import load_config
 
@@ -548,7 +550,7 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
     console.print(f"[bold]evaluate[/] k={k}, backend {recipe.evaluate.backend}: "
                   + ", ".join(f"{name} ({len(m)} prompts)" for name, m in sets.items()))
     res, base, speed = measure_sets(recipe, draft_dir, sets, work)
-    per_set = {name: {
+    per_set: dict[str, PromptSetResult] = {name: {
         "acceptance_length": res[name]["acceptance_length"],
         "per_position_acceptance": res[name]["per_position_acceptance"],
         "num_prompts": len(m), "skipped_too_long": too_long[name],
@@ -564,7 +566,7 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
     } for name, m in sets.items()}
     primary = next(iter(per_set))  # the held-out split when there is one
     p = per_set[primary]
-    report = {
+    report: EvalReport = {
         "acceptance_length": p["acceptance_length"], "per_position_acceptance": p["per_position_acceptance"],
         "num_speculative_tokens": k, "num_prompts": p["num_prompts"], "tokens_generated": p["tokens_generated"],
         "verifier_forwards": p["verifier_forwards"], "verifier": recipe.verifier.model,
@@ -596,7 +598,6 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
         stage.commit_shard("report", files, {"acceptance_length": report["acceptance_length"]})
         stage.complete({"acceptance_length": report["acceptance_length"]})
         where = store.url(stage.key("data/report.md"))
-    report["report_path"] = where
     for name, x in per_set.items():
         # no [brackets]: rich would read them as markup and print nothing of the set's name
         sp = "; speedup " + ", ".join(f"{lv['speedup']:.2f}x at concurrency {lv['concurrency']}"

@@ -81,3 +81,108 @@ class HiddenStateBackend(Protocol):
     def states(self, rows: list[Row], advance: Advance) -> Extracted: ...
 
     def close(self) -> None: ...
+
+
+# --- reports: eval's `data/report.json` and compare's (docs/FORMAT.md "eval", "variants and compare") ---
+
+
+class TimedPass(TypedDict):
+    """One timed pass of a set's requests on one server: output tokens/s and time to first token."""
+
+    requests: int
+    output_tokens: int
+    seconds: float
+    output_tokens_per_s: float
+    ttft_s_mean: float
+    ttft_s_p50: float
+    ttft_s_max: float
+
+
+class SpeedLevel(TypedDict):
+    concurrency: int
+    requests: int
+    with_draft: TimedPass
+    without_draft: TimedPass
+    speedup: float
+
+
+class SpeedTable(TypedDict):
+    """A set's speed: the same requests with and without the draft, per concurrency level."""
+
+    max_tokens: int
+    levels: list[SpeedLevel]
+
+
+class PromptSetResult(TypedDict):
+    """One prompt set of an evaluation: served τ, the untrained draft's, and the speedup."""
+
+    source: str
+    num_prompts: int
+    skipped_too_long: int
+    acceptance_length: float
+    per_position_acceptance: list[float]
+    baseline_acceptance_length: float | None
+    baseline_per_position_acceptance: list[float] | None
+    tokens_generated: int
+    verifier_forwards: int
+    prompts_sha256: str
+    speedup: SpeedTable | None
+
+
+class EvalReport(TypedDict):
+    """eval's `data/report.json`: the first prompt set's figures at the top, every set in prompt_sets."""
+
+    acceptance_length: float
+    per_position_acceptance: list[float]
+    num_speculative_tokens: int
+    num_prompts: int
+    tokens_generated: int
+    verifier_forwards: int
+    verifier: str
+    draft: str
+    baseline_acceptance_length: float | None
+    baseline_per_position_acceptance: list[float] | None
+    baseline_note: str
+    speedup: SpeedTable | None
+    speedup_note: str
+    speedup_wall_s: float | None
+    concurrency_levels: list[int]
+    min_speedup: float | None
+    teacher_forced_estimate: float | None
+    teacher_forced_note: str
+    backend: str
+    prompts: str
+    prompts_sha256: str
+    prompt_sets: dict[str, PromptSetResult]
+    train: dict
+    run_id: str
+
+
+class ArmSetResult(TypedDict):
+    """One prompt set of one compared arm: the subset of its PromptSetResult the table shows."""
+
+    acceptance_length: float
+    per_position_acceptance: list[float]
+    num_prompts: int
+    baseline_acceptance_length: float | None
+    speedup: SpeedTable | None
+    prompts_sha256: str
+
+
+class CompareArm(TypedDict):
+    variant: str
+    overrides: dict
+    prompt_sets: dict[str, ArmSetResult]
+    train_seconds: float | None
+    epochs: int | None
+    selection: dict | None
+    teacher_forced_estimate: float | None
+
+
+class CompareReport(TypedDict):
+    """compare's `data/report.json`: every arm with a committed evaluation, in recipe order."""
+
+    run_id: str
+    recipe: str
+    variants: list[CompareArm]
+    missing: list[str]

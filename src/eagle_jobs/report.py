@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from matplotlib.typing import ColorType
 
+    from eagle_jobs.records import EvalReport, SpeedTable
+
 
 def _png(fig) -> bytes:
     buf = io.BytesIO()
@@ -54,7 +56,7 @@ def _validation(metrics: list[dict], train_key: str) -> list[tuple[int, float]]:
     return out
 
 
-def write_report(report: dict, metrics: list[dict]) -> dict[str, bytes]:
+def write_report(report: EvalReport, metrics: list[dict]) -> dict[str, bytes]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,8 +104,8 @@ def write_report(report: dict, metrics: list[dict]) -> dict[str, bytes]:
     fig, ax = plt.subplots(figsize=(5, 3.4))
     xs = list(range(1, k + 1))
     ax.bar([x - 0.2 for x in xs], report["per_position_acceptance"], width=0.4, label="trained draft")
-    if report.get("baseline_per_position_acceptance"):
-        ax.bar([x + 0.2 for x in xs], report["baseline_per_position_acceptance"], width=0.4, label="untrained draft")
+    if base_per := report.get("baseline_per_position_acceptance"):
+        ax.bar([x + 0.2 for x in xs], base_per, width=0.4, label="untrained draft")
     ax.set(title="acceptance by draft position", xlabel="position", ylabel="rate", ylim=(0, 1), xticks=xs)
     ax.legend(fontsize=8)
     files["acceptance.png"] = _png(fig)
@@ -111,12 +113,12 @@ def write_report(report: dict, metrics: list[dict]) -> dict[str, bytes]:
     # 3. tau against the baseline
     fig, ax = plt.subplots(figsize=(4.5, 3.4))
     names, vals = ["trained"], [report["acceptance_length"]]
-    if report.get("baseline_acceptance_length") is not None:
+    if (untrained := report.get("baseline_acceptance_length")) is not None:
         names.append("untrained")
-        vals.append(report["baseline_acceptance_length"])
-    if report.get("teacher_forced_estimate") is not None:
+        vals.append(untrained)
+    if (estimate := report.get("teacher_forced_estimate")) is not None:
         names.append("teacher-forced\nestimate")
-        vals.append(report["teacher_forced_estimate"])
+        vals.append(estimate)
     ax.bar(names, vals, color=["tab:blue", "tab:gray", "tab:orange"][: len(vals)])
     ax.axhline(1.0, color="black", lw=0.6)
     ax.set(title=f"acceptance length tau (k={k})", ylim=(0, k + 1))
@@ -155,7 +157,7 @@ def write_report(report: dict, metrics: list[dict]) -> dict[str, bytes]:
     return files
 
 
-def _per_set_table(report: dict) -> list[str]:
+def _per_set_table(report: EvalReport) -> list[str]:
     """τ on each prompt set on its own: drafts are compared set by set, as the field compares them."""
     sets = report.get("prompt_sets") or {}
     if not sets:
@@ -170,10 +172,14 @@ def _per_set_table(report: dict) -> list[str]:
     return [*rows, ""]
 
 
+def _measured_speed(report: EvalReport) -> dict[str, SpeedTable]:
+    """The prompt sets whose speed was measured, and their tables."""
+    return {n: sp for n, x in (report.get("prompt_sets") or {}).items() if (sp := x.get("speedup"))}
 
-def _speedup_table(report: dict) -> list[str]:
+
+def _speedup_table(report: EvalReport) -> list[str]:
     """Output tokens per second with the draft over without it, per set and concurrency, with TTFT."""
-    sets = {n: x["speedup"] for n, x in (report.get("prompt_sets") or {}).items() if x.get("speedup")}
+    sets = _measured_speed(report)
     if not sets:
         return ["## Speedup", "", f"{report.get('speedup_note') or 'not measured'}", ""]
     how = (f"{report['speedup_note']}; at most {next(iter(sets.values()))['max_tokens']} tokens per request; "
@@ -200,9 +206,9 @@ def _speedup_table(report: dict) -> list[str]:
     return [*rows, ""]
 
 
-def _speedup_png(report: dict) -> bytes | None:
+def _speedup_png(report: EvalReport) -> bytes | None:
     """Speedup against concurrency, one line per prompt set; 1.0 is where the draft stops paying."""
-    sets = {n: x["speedup"] for n, x in (report.get("prompt_sets") or {}).items() if x.get("speedup")}
+    sets = _measured_speed(report)
     if not sets:
         return None
     import matplotlib.pyplot as plt
