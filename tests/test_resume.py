@@ -116,7 +116,10 @@ def read_final(stage: Stage, name: str):
 # -- issue 20 item 7: a kill costs at most one interval ---------------------------------------------
 def test_sigkill_mid_epoch_loses_at_most_one_interval_and_each_sample_is_trained_once_per_epoch(
         tiny_recipe, tmp_path, bucket):
-    every_s, epochs = 0.2, 12  # long enough that the kill lands mid-run on a quiet machine too
+    # an interval well inside an epoch: on a quiet machine an epoch of this tiny draft is 8 steps in about
+    # 0.18 s (CI, 2026-12-04), so a 0.2 s clock fired at epoch ends only and the run finished before a
+    # mid-epoch step checkpoint; 0.04 s fires every few steps, loaded or not
+    every_s, epochs = 0.04, 12
     recipe = tiny_recipe(train={"epochs": epochs, "total_seq_len": 64, "checkpoint_every_minutes": every_s / 60})
     st = _prepared(recipe, f"s3://{bucket}/runs")
     stage = Stage(st, "r", "train")
