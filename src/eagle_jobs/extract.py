@@ -29,31 +29,12 @@ from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.records import Advance, Extracted, HiddenStateBackend, Row, RowStates, Skipped
-from eagle_jobs.sharding import ShardWorker
+from eagle_jobs.sharding import ShardWorker, plan_shards
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.verifier import load_config, text_config
 from eagle_jobs.vllm_server import ServePlan
 
 STAGE = StageName.EXTRACT.dir
-
-
-def plan_shards(rows: list[Row], bytes_per_tok: int, shard_bytes: int) -> list[list[Row]]:
-    """Greedy over the rows ordered by (length, row_id): deterministic for a given row list, so a restart
-    resumes. By length because a shard is batched on its own: rows of one length pad little (in row order,
-    a 160-row benchmark padded 13% more tokens than one global length sort)."""
-    shards: list[list[Row]] = []
-    cur: list[Row] = []
-    size = 0
-    for r in sorted(rows, key=lambda r: (len(r["input_ids"]), r["row_id"])):
-        b = len(r["input_ids"]) * bytes_per_tok
-        if cur and size + b > shard_bytes:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append(r)
-        size += b
-    if cur:
-        shards.append(cur)
-    return shards
 
 
 def _decoder_layers(model) -> torch.nn.ModuleList:
@@ -296,8 +277,7 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
     worker = ShardWorker.resolve(stage, shard_index, num_shards)
     idx, n = worker.index, worker.count
     bpt = bytes_per_token(len(layer_ids), hidden, recipe.extract.storage_dtype)
-    plan = plan_shards(worker.owned(rows), bpt, recipe.extract.shard_bytes)
-    todo = worker.todo(plan)
+    plan, todo, before_shard = shard_plan(recipe, worker, rows, bpt)
     console.print(f"{worker.describe()}: {sum(len(s) for s in plan)} rows in {len(plan)} shards "
                   f"(~{recipe.extract.shard_bytes / 2**20:.0f} MiB each, {bpt} B/token), "
                   f"{len(plan) - len(todo)} already committed; layers {layer_ids}")
@@ -309,7 +289,7 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
     if todo:
         if recipe.extract.backend == "transformers":
             _extract_shards(recipe, worker, todo, lambda: TransformersExtractor(recipe), layer_ids, hidden,
-                            skipped, index, reused)
+                            skipped, index, reused, before_shard)
         else:
             from eagle_jobs.vllm_server import server_log, vllm_endpoint
 
@@ -318,7 +298,7 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
                 console.print(f"  removed {swept} hidden-state files an earlier attempt left in {scratch}")
             with vllm_endpoint(serve_plan(recipe, run_id, idx), log=server_log(run_id, f"extract-{idx}")) as base:
                 _extract_shards(recipe, worker, todo, lambda: VllmExtractor(recipe, base, scratch),
-                                layer_ids, hidden, skipped, index, reused)
+                                layer_ids, hidden, skipped, index, reused, before_shard)
     if reused[0]:
         console.print(f"  reused {reused[0]} samples extracted by other runs with the same settings")
     if skipped:
@@ -330,8 +310,33 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
     return summary
 
 
-def _extract_shards(recipe, worker: ShardWorker, todo, make_extractor: Callable[[], HiddenStateBackend],
-                    layer_ids, hidden, skipped_all, index, reused) -> None:
+def shard_plan(recipe: Recipe, worker: ShardWorker, rows: list[Row], bpt: int
+               ) -> tuple[list[list[Row]], list[tuple[str, list[Row]]], Callable[[int], None]]:
+    """This worker's shards, the (name, rows) still to commit, and what to do before computing one.
+
+    Stored: the worker's rows by length. Stream: the stream's order (eagle_jobs.stream), skipping
+    shards training has finished with as well, and waiting while the window is full.
+    """
+    if recipe.train.source != "stream":
+        plan = plan_shards(worker.owned(rows), bpt, recipe.extract.shard_bytes)
+        return plan, [(worker.shard_name(k), s) for k, s in worker.todo(plan)], lambda _b: None
+    from eagle_jobs import stream
+
+    passes = recipe.train.epochs if recipe.train.later_epochs == "re-extract" else 1
+    shards = stream.worker_stream(rows, bpt, recipe.extract.shard_bytes, worker.index, worker.count, passes)
+    by_id = {r["row_id"]: r for r in rows}
+    store, run_id = worker.stage.store, worker.stage.run_id
+    done = stream.consumed(store, run_id)
+    todo = [(s.name, [by_id[i] for i in s.row_ids]) for s in shards
+            if s.name not in done and not worker.stage.is_committed(s.name)]
+    window = recipe.store.window_bytes or 0
+    return ([[by_id[i] for i in s.row_ids] for s in shards], todo,
+            lambda nbytes: stream.wait_for_window(store, run_id, window, nbytes))
+
+
+def _extract_shards(recipe, worker: ShardWorker, todo: list[tuple[str, list[Row]]],
+                    make_extractor: Callable[[], HiddenStateBackend], layer_ids, hidden, skipped_all, index,
+                    reused, before_shard: Callable[[int], None]) -> None:
     """Compute shard k+1 while shard k is packed and uploaded in the background."""
     from eagle_jobs.reuse import ids_sha256
 
@@ -340,7 +345,9 @@ def _extract_shards(recipe, worker: ShardWorker, todo, make_extractor: Callable[
     ex: HiddenStateBackend | None = None
     try:
         with stage_progress("extract", sum(len(s) for _, s in todo), "rows") as advance:
-            for k, rows in todo:
+            for name, rows in todo:
+                before_shard(sum(len(r["input_ids"]) for r in rows) * bytes_per_token(
+                    len(layer_ids), hidden, recipe.extract.storage_dtype))
                 got, fresh = Extracted({}, {}), []
                 for r in rows:
                     hit = index.where.get(ids_sha256(r["input_ids"]))
@@ -359,7 +366,7 @@ def _extract_shards(recipe, worker: ShardWorker, todo, make_extractor: Callable[
                     got.problems.update(new.problems)
                 if pending is not None:
                     skipped_all.extend(pending.result())
-                pending = pool.submit(_pack_and_commit, recipe, worker.stage, worker.shard_name(k), rows, got,
+                pending = pool.submit(_pack_and_commit, recipe, worker.stage, name, rows, got,
                                       layer_ids, hidden)
             if pending is not None:
                 skipped_all.extend(pending.result())

@@ -31,6 +31,7 @@ STAGES: tuple[StageName, ...] = tuple(StageName)
 VARIANTS = "variants"  # `eagle-jobs compare`: <run>/variants/<name>/{train,eval,epochs} beside the run's own
 EPOCHS = "epochs"  # `eagle-jobs rank-epochs`: served tau per epoch checkpoint
 COMPARE = "compare"  # `eagle-jobs compare`: the table of every variant
+STREAM = "stream"  # train.source stream: what training has finished with, <run>/stream/consumed/<shard>.json
 
 
 def variant_dir(name: str, variant: str | None = None) -> str:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 from rich.table import Table
 
 from eagle_jobs.errors import BadInput
-from eagle_jobs.layout import STAGES, StageName, epochs_dir
+from eagle_jobs.layout import STAGES, STREAM, StageName, epochs_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.store import Stage, Store
@@ -49,6 +50,50 @@ def select_by_served(recipe: Recipe, store: Store, run_id: str) -> tuple[str, st
     return ("select epoch", status, f"{time.perf_counter() - t0:.0f}s", where)
 
 
+def run_streamed(recipe: Recipe, store: Store, run_id: str) -> dict:
+    """train.source stream: extraction in a thread beside training, which reads its shards as they
+    commit; the store's extraction bytes are sampled every second for the peak."""
+    from eagle_jobs import stream
+    from eagle_jobs.extract import run_extract
+    from eagle_jobs.train import run_train
+
+    stream.clear_failed(store, run_id)
+    done, peak, ended = threading.Event(), [0], [0.0]
+
+    def extract() -> None:
+        try:
+            run_extract(recipe, store, run_id, 0, 1)
+        except BaseException as e:  # training waits on shards: tell it, in one line, then stop the run
+            stream.mark_failed(store, run_id, f"{type(e).__name__}: {e}"[:400])
+            raise
+        finally:
+            ended[0] = time.time()
+            done.set()
+
+    def sample() -> None:
+        while not done.wait(1.0):
+            peak[0] = max(peak[0], stream.stored_bytes(store, run_id))
+
+    started = time.time()
+    threads = [threading.Thread(target=f, name=f.__name__, daemon=True) for f in (extract, sample)]
+    for t in threads:
+        t.start()
+    record = run_train(recipe, store, run_id)
+    for t in threads:
+        t.join()
+    if not Stage(store, run_id, StageName.EXTRACT.dir).is_complete():
+        raise BadInput(f"extract of run '{run_id}' did not complete (its error is above); rerun to resume")
+    first = (record.get("stream") or {}).get("first_step_at") or ended[0]
+    summary = {"window_bytes": recipe.store.window_bytes, "peak_store_bytes": peak[0],
+               "train_first_step_s": round(first - started, 1), "extract_end_s": round(ended[0] - started, 1),
+               "overlap_s": round(max(0.0, ended[0] - first), 1)}
+    store.put_json(f"{run_id}/{STREAM}/summary.json", summary)
+    console.print(f"stream: training's first step {summary['train_first_step_s']} s after the start, extraction "
+                  f"ended at {summary['extract_end_s']} s (overlap {summary['overlap_s']} s); peak extraction bytes "
+                  f"on the store {stream.mib(peak[0])}, window {stream.mib(recipe.store.window_bytes or 0)}")
+    return summary
+
+
 def run_pipeline(recipe: Recipe, store: Store, run_id: str, stages: list[str] | None = None) -> dict:
     from eagle_jobs.capture import run_capture
     from eagle_jobs.evaluate import run_evaluate
@@ -75,6 +120,9 @@ def run_pipeline(recipe: Recipe, store: Store, run_id: str, stages: list[str] | 
         "train": lambda: run_train(recipe, store, run_id),
         "evaluate": lambda: run_evaluate(recipe, store, run_id),
     }
+    streamed = recipe.train.source == "stream" and {"extract", "train"} <= set(wanted)
+    if streamed:  # one step: extraction beside training
+        runners["extract"] = lambda: run_streamed(recipe, store, run_id)
     rows, tau = [], None
     for name in STAGES:
         if name == "evaluate" and select:  # after training (run now or committed), before evaluate
@@ -88,7 +136,7 @@ def run_pipeline(recipe: Recipe, store: Store, run_id: str, stages: list[str] | 
         else:
             console.rule(f"[bold]{name}")
             runners[name]()
-            status = "done"
+            status = "streamed into train" if streamed and name == "extract" else "done"
         if name == "evaluate":
             tau = (stage.completion() or {}).get("acceptance_length")
         rows.append((name, status, f"{time.perf_counter() - t0:.0f}s", store.url(stage.prefix)))

@@ -263,7 +263,7 @@ def parse_scales(text: str) -> list[int]:
 def scale_basis(recipe: Recipe, plan: dict) -> ScaleBasis:
     dtype = "fp8" if recipe.extract.storage_dtype == "fp8" else "bfloat16"
     t = recipe.train
-    window = getattr(recipe.store, "window_bytes", None) or recipe.plan.stream_window_bytes
+    window = recipe.store.window_bytes or recipe.plan.stream_window_bytes
     return ScaleBasis(samples_per_conversation=plan["samples"] / plan["conversations"],
                       tokens_per_sample=plan["tokens_per_sample"],
                       answer_tokens_per_sample=recipe.sampling.max_new_tokens,
@@ -335,7 +335,7 @@ def scale_sources(recipe: Recipe, b: ScaleBasis) -> dict[str, dict]:
         given = name in recipe.plan.model_fields_set
         out[f"plan.{name}"] = {"value": getattr(recipe.plan, name),
                                "from": f"recipe {recipe.name}" if given else f"default: {field.description}"}
-    window_given = getattr(recipe.store, "window_bytes", None)
+    window_given = recipe.store.window_bytes
     out["window_bytes"] = {"value": b.window_bytes, "from": "recipe store.window_bytes" if window_given
                            else "plan.stream_window_bytes (the recipe has no store.window_bytes)"}
     out["bytes_per_token"] = {"value": b.bytes_per_token, "from": "hsformat.bytes_per_token: (aux layers + 1) x "

@@ -280,6 +280,14 @@ class TrainSpec(Section):
     # first prompts of the held-out split (`eagle-jobs rank-epochs`: one server start per epoch, the
     # cost in docs/OPERATIONS.md#choosing-the-epoch-by-served-tau), before evaluate.
     select_by: Literal["estimate", "served"] = "estimate"
+    # Where the states come from (docs/OPERATIONS.md#streaming): stored, the committed extraction read
+    # after it completes; stream, extraction's shards read in commit order while extraction goes on,
+    # with at most store.window_bytes of them on the store ahead of training.
+    source: Literal["stored", "stream"] = "stored"
+    # stream, more than one epoch: keep, the shards stay for the later epochs (the store holds the
+    # corpus, the window bounds only extraction's lead); re-extract, extraction runs again for each
+    # epoch (prefill only) and training deletes each shard it has finished with (the store holds the window).
+    later_epochs: Literal["keep", "re-extract"] = "keep"
 
     @model_validator(mode="after")
     def _muon_only_with_muon(self) -> "TrainSpec":
@@ -324,9 +332,17 @@ class EvaluateSpec(Section):
         return max(self.speedup_requests, level)
 
 
+# train.source stream: the window holds at least this many shards (and steps' worth of states): see
+# eagle_jobs/stream.py for the budget that keeps extraction and training from waiting on each other.
+WINDOW_SHARDS = 8
+
+
 class StoreSpec(Section):
     uri: str = "file://./store"
     run_id: str = "default"
+    # train.source stream: bytes of committed states training has not finished with, at most; extraction
+    # pauses at it (peak store use: the window plus one shard per extraction worker in flight).
+    window_bytes: int | None = Field(default=None, gt=0)
 
     @field_validator("run_id")
     @classmethod
@@ -357,7 +373,7 @@ class Throughputs(Section):
         "GPUs of one capture, extract or train pod in k8s/overlays/full (docs/OPERATIONS.md#node-sizes)"))
     capture_nodes: int = Field(default=1, gt=0, description="capture pods in k8s/overlays/full")
     extract_nodes: int = Field(default=4, gt=0, description="extraction pods in k8s/overlays/full (completions 4)")
-    # Streaming is priced before it exists (issue 22 items 1-2): a recipe's store.window_bytes, once there, wins.
+    # The window `plan --scale` prices streaming with when the recipe has no store.window_bytes.
     stream_window_bytes: int = Field(default=64 * 1024**3, gt=0, description=(
         "a choice, not a measurement: 32 shards of 512 MiB for each of the 4 extraction pods"))
 
@@ -439,9 +455,21 @@ class Recipe(Section):
             raise ValueError("limits.max_prompt_tokens must be below limits.max_seq_len")
         if self.train.total_seq_len < 16:
             raise ValueError("train.total_seq_len must be at least 16")
+        self._stream_consistent()
         if self.evaluate.num_speculative_tokens > self.train.ttt_steps + 8:
             raise ValueError("evaluate.num_speculative_tokens is far above train.ttt_steps")
         return self
+
+    def _stream_consistent(self) -> None:
+        t, window, shard = self.train, self.store.window_bytes, self.extract.shard_bytes
+        if t.later_epochs == "re-extract" and t.source != "stream":
+            raise ValueError("train.later_epochs re-extract streams each epoch: it needs train.source: stream")
+        if t.source == "stream":
+            if window is None:
+                raise ValueError("train.source stream needs store.window_bytes (e.g. 16 x extract.shard_bytes)")
+            if window < WINDOW_SHARDS * shard:  # eagle_jobs/stream.py: why this many
+                raise ValueError(f"store.window_bytes {window:,} is below {WINDOW_SHARDS} x extract.shard_bytes "
+                                 f"({WINDOW_SHARDS * shard:,}): raise it or make the shards smaller")
 
     def digest(self, sections: tuple[str, ...] | None = None) -> str:
         """Content hash of the resolved recipe, or of some of its sections (lineage, cache keys)."""

@@ -62,6 +62,14 @@ And one patch of module state, for GPUs:
    tracked from the forward's (seen on an H200 through benchmarks/gpu_check.py,
    2026-12-04). Each autotuned kernel gets its own copy of the list; the values
    are unchanged.
+And for train.source stream (issue 22):
+13. `_setup_dataloader` builds its own MultipackDistributedBatchSamplerV2 over the
+   dataset's lengths, shuffled across the whole epoch. `stream_dataloader` builds the
+   same DataLoader (CollateFn, workers by spawn, pinned memory) around the stream's
+   sampler (train_data.StreamBatchSampler, a subclass of speculators' own), and
+   StoreTrainer also saves after a step where `checkpoint_due(epoch, step)` is true
+   (the same on every rank: it is computed from the plan), so training commits the
+   checkpoint that lets the shards it has finished with leave the window.
 """
 
 from __future__ import annotations
@@ -247,8 +255,10 @@ class StoreTrainer(_trainer.Trainer):
     _checkpoint_every_s: float | None = None  # 10: None, epoch checkpoints only
     _saved_at, _saved_step = 0.0, (-1, -1)  # 10: when, and after which (epoch, step), the last save was
 
-    def __init__(self, *args, on_checkpoint=None, checkpoint_every_s: float | None = None, **kwargs):
+    def __init__(self, *args, on_checkpoint=None, checkpoint_every_s: float | None = None,
+                 checkpoint_due=None, **kwargs):
         self._on_checkpoint = on_checkpoint
+        self._checkpoint_due = checkpoint_due  # 13
         self._cur_epoch, self._cur_step = 0, 0
         self.interrupted = False
         self._signalled_at: float | None = None
@@ -278,7 +288,8 @@ class StoreTrainer(_trainer.Trainer):
                 step_callback()
             if self._stop_agreed():  # 6
                 raise TrainingInterruptedError(f"signal, stopping after step {self._cur_step}")
-            if self._step_checkpoint_agreed() and self._cur_step < num_steps:  # 10 (the epoch's own follows)
+            due = self._checkpoint_due is not None and self._checkpoint_due(epoch, self._cur_step)  # 13
+            if (self._step_checkpoint_agreed() or due) and self._cur_step < num_steps:  # 10 (the epoch's own follows)
                 self.maybe_save_checkpoint(epoch, local_step=self._cur_step)
 
         return super().train_epoch(epoch, step_callback=counted)
@@ -365,3 +376,18 @@ def resume_schedulers(schedulers: list, global_step: int) -> None:
         sched.last_epoch, sched._last_lr = global_step, lrs  # noqa: SLF001 - what step() would have left
         for group, base, lr in zip(sched.optimizer.param_groups, sched.base_lrs, lrs, strict=True):
             group["initial_lr"], group["lr"] = base, lr
+
+
+def stream_dataloader(dataset, batch_sampler, total_seq_len: int, hidden_size: int, num_workers: int,
+                      num_target_layers: int, preprocess) -> torch.utils.data.DataLoader:
+    """13: speculators' `_setup_dataloader`, with the stream's batch sampler in place of its own."""
+    from speculators.train.data import CollateFn
+    from speculators.train.dataloader import _worker_init_fn
+
+    use_workers = num_workers > 0
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=batch_sampler, num_workers=num_workers, prefetch_factor=4 if use_workers else None,
+        pin_memory=True, persistent_workers=use_workers, multiprocessing_context="spawn" if use_workers else None,
+        worker_init_fn=_worker_init_fn if use_workers else None,
+        collate_fn=CollateFn(total_seq_len, hidden_size, num_target_layers=num_target_layers,
+                             dtype=dataset.hidden_states_dtype, preprocess=preprocess))

@@ -33,6 +33,7 @@ from eagle_jobs.draft import (
     loss_implementation,
     optimizer_settings,
     resolve_shape,
+    stored_layer_ids,
     trainer_call_kwargs,
 )
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
@@ -86,12 +87,13 @@ class ShardStager:
 
 
 def token_frequencies(manifests: list[dict], store: Store, run_id: str) -> Counter:
-    """Counts of loss-masked target tokens in the training split (speculators' token_freq)."""
+    """Counts of loss-masked target tokens in the training split (speculators' token_freq): of the
+    extracted training samples, or (streaming, no manifests yet) of the training split's rows."""
 
-    train_rows = {e["row_id"] for m in manifests for e in m["samples"] if e["split"] == "train"}
+    extracted = {e["row_id"] for m in manifests for e in m["samples"] if e["split"] == "train"}
     freq: Counter = Counter()
     for r in read_rows(store, run_id):
-        if r["row_id"] in train_rows:
+        if r["row_id"] in extracted if manifests else r["split"] == "train":
             freq.update(t for t, m in zip(r["input_ids"], r["loss_mask"]) if m)
     return freq
 
@@ -353,8 +355,12 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
 
 def check_extraction(recipe: Recipe, store: Store, run_id: str) -> tuple[dict, PretrainedConfig, DraftShape]:
     """The committed extraction's info, the verifier's text config and the draft shape, checked against each other."""
-    info = extraction_info(store, run_id)
     tcfg = text_config(load_config(recipe.verifier))
+    if recipe.train.source == "stream":  # extraction is still going on: its layout is the recipe's
+        info: dict = {"manifests": [], "storage": recipe.extract.storage_dtype, "hidden_size": int(tcfg.hidden_size),
+                      "layer_ids": stored_layer_ids(recipe.aux_layer_ids, int(tcfg.num_hidden_layers))}
+    else:
+        info = extraction_info(store, run_id)
     shape = resolve_shape(recipe, tcfg)
     aux = info["layer_ids"][:-1]
     if aux != recipe.aux_layer_ids:
@@ -409,9 +415,10 @@ def vocab_mapping(info: dict, store: Store, run_id: str, shape: DraftShape) -> t
 class TrainData:
     """The samples of each split (shard, local name, manifest entry) and their loaders."""
 
-    items: dict[str, list[tuple[str, str, dict]]]
+    items: dict[str, list]
     train_loader: object
     val_loader: object | None
+    feed: StreamFeed | None = None  # train.source stream: what the window needs from training
 
     @classmethod
     def create(cls, recipe: Recipe, store: Store, run_id: str, info: dict, shape: DraftShape, work: Path,
@@ -419,6 +426,9 @@ class TrainData:
         from speculators.models.eagle3.data import shift_batch
         from speculators.train.dataloader import _setup_dataloader
         from speculators.train.distributed import get_local_rank
+
+        if recipe.train.source == "stream":
+            return cls.streamed(recipe, store, run_id, info, shape, hs_dtype)
 
         stager = ShardStager(store, run_id, info["manifests"], work / "stage", recipe.train.local_stage_bytes)
         if get_local_rank() == 0:  # one stager per node; the other ranks read what it staged
@@ -444,6 +454,141 @@ class TrainData:
                                      preprocess=shift_batch, seed=recipe.train.seed)
 
         return cls(items, loader("train"), loader("validation"))
+
+
+    @classmethod
+    def streamed(cls, recipe: Recipe, store: Store, run_id: str, info: dict, shape: DraftShape,
+                 hs_dtype: torch.dtype) -> TrainData:
+        """train.source stream: the stream's shards (eagle_jobs.stream), batched in commit order."""
+        from speculators.models.eagle3.data import shift_batch
+        from speculators.train.dataloader import _setup_dataloader
+        from speculators.train.distributed import get_dp_rank, get_dp_size
+
+        from eagle_jobs import speculators_compat as compat
+        from eagle_jobs import stream
+        from eagle_jobs.hsformat import bytes_per_token
+        from eagle_jobs.train_data import StreamBatchSampler, StreamHiddenStatesDataset
+
+        t, reextract = recipe.train, recipe.train.later_epochs == "re-extract"
+        rows = {r["row_id"]: r for r in read_rows(store, run_id)}
+        bpt = bytes_per_token(len(info["layer_ids"]), info["hidden_size"], info["storage"])
+        order = stream.stream_order(list(rows.values()), bpt, recipe.extract.shard_bytes,
+                                    first_worker_count(store, run_id), t.epochs if reextract else 1)
+        window = recipe.store.window_bytes or 0
+        stream.check_window(window, t.total_seq_len * bpt * get_dp_size())
+        groups = stream_groups([s for s in order if s.split == "train" and s.pass_index == 0],
+                               window // stream.GROUP_SHARE)
+        items: dict[str, list] = {"train": [], "validation": []}
+        index_groups: list[list[int]] = []
+        for g in groups:
+            index_groups.append([])
+            for s in g:
+                for rid in s.row_ids:
+                    if sum(rows[rid]["loss_mask"]) > 1:
+                        index_groups[-1].append(len(items["train"]))
+                        items["train"].append((s.name, rid, len(rows[rid]["input_ids"])))
+        for s in order:
+            if s.split == "validation":
+                items["validation"] += [(s.name, rid, len(rows[rid]["input_ids"])) for rid in s.row_ids
+                                        if sum(rows[rid]["loss_mask"]) > 1]
+        if not items["train"]:
+            raise BadInput(f"run '{run_id}' has no training rows with loss tokens")
+        names, T = [s.name for s in order], t.total_seq_len
+        ds = StreamHiddenStatesDataset(store.uri, run_id, items["train"], names, T, hs_dtype)
+        sampler = StreamBatchSampler(ds.approx_lengths, index_groups, reextract, T, get_dp_size(), get_dp_rank(),
+                                     t.seed)
+        layers = len(recipe.aux_layer_ids)
+        train = compat.stream_dataloader(ds, sampler, T, shape.hidden_size, t.num_workers, layers, shift_batch)
+        val = None
+        if items["validation"]:
+            vds = StreamHiddenStatesDataset(store.uri, run_id, items["validation"], names, T, hs_dtype)
+            val = _setup_dataloader(vds, T, shape.hidden_size, num_workers=t.num_workers, num_target_layers=layers,
+                                    prefetch_factor=4, preprocess=shift_batch, seed=t.seed)
+        console.print(f"  stream: {len(order)} shards planned ({len(groups)} shuffle groups), window "
+                      f"{stream.mib(window)}, later epochs {t.later_epochs}")
+        feed = StreamFeed(store, run_id, sampler, groups, reextract, window, stream.consumed(store, run_id))
+        return cls(items, train, val, feed)
+
+
+def first_worker_count(store: Store, run_id: str) -> int:
+    """The extraction's worker count, from its first committed shard's name (waits for one)."""
+    from eagle_jobs import stream
+    from eagle_jobs.train_data import wait_committed
+
+    stage = Stage(store, run_id, StageName.EXTRACT.dir)
+    while not (keys := stage.store.list(stage.key("manifests"))):
+        stream.check_not_failed(store, run_id)
+        console.print("  stream: waiting for extraction's first shard", markup=False)
+        time.sleep(stream.REPORT_S / 6)
+    first = keys[0].rsplit("/", 1)[1].removesuffix(".json")
+    wait_committed(store, run_id, first, [first])
+    return stream.num_workers_of(first)
+
+
+def stream_groups(shards: list, group_bytes: int) -> list[list]:
+    """Consecutive shards, each group at most group_bytes (at least one shard): shuffled within, and
+    finished with (consumed) together."""
+    groups: list[list] = []
+    size = 0
+    for s in shards:
+        if not groups or (groups[-1] and size + s.planned_bytes > group_bytes):
+            groups.append([])
+            size = 0
+        groups[-1].append(s)
+        size += s.planned_bytes
+    return groups
+
+
+@dataclass
+class StreamFeed:
+    """Training's side of the window. Every rank asks `checkpoint_due` after each step (the same answer on
+    all: it is computed from the plan): a checkpoint is due once the groups finished since the last one
+    hold a quarter of the window (eagle_jobs/stream.py: the window's budget). Rank 0, once a checkpoint
+    is committed, marks the shards it is past consumed (re-extract: deletes them), so a restart never
+    needs a shard that is gone."""
+
+    store: Store
+    run_id: str
+    sampler: object
+    groups: list[list]
+    reextract: bool
+    window: int
+    marked: set[str]
+    _base: tuple[int, int] = (-1, 0)  # (epoch, groups done) at the last checkpoint this feed asked for
+    first_step_at: float | None = None  # when this process's first step ended (the overlap with extraction)
+
+    def _pass(self, epoch: int) -> int:
+        return epoch if self.reextract else 0
+
+    def _groups_done(self, epoch: int, steps: int) -> int:
+        if not self.reextract and epoch > 0:
+            return len(self.groups)
+        return self.sampler.groups_done(epoch, steps)  # type: ignore[attr-defined]
+
+    def checkpoint_due(self, epoch: int, step: int) -> bool:
+        self.first_step_at = self.first_step_at or time.time()
+        if self._base[0] != epoch:  # the first step of this process in the epoch: the last checkpoint is its start
+            self._base = (epoch, self._groups_done(epoch, step - 1))
+        done = self._groups_done(epoch, step)
+        from eagle_jobs.stream import CHECKPOINT_SHARE
+
+        if sum(s.planned_bytes for g in self.groups[self._base[1]:done] for s in g) < self.window // CHECKPOINT_SHARE:
+            return False
+        self._base = (epoch, done)
+        return True
+
+    def on_commit(self, epoch: int, local_step: int) -> None:
+        from dataclasses import replace
+
+        from eagle_jobs import stream
+
+        done = self._groups_done(epoch, local_step or 1 << 62)  # local step 0: the epoch's end
+        p = self._pass(epoch)
+        new = [replace(s, name=stream.pass_name(s.name, p)) for g in self.groups[:done] for s in g]
+        new = [s for s in new if s.name not in self.marked]
+        if new:
+            stream.mark_consumed(self.store, self.run_id, new, self.reextract, {"epoch": epoch, "step": local_step})
+            self.marked.update(s.name for s in new)
 
 
 def resume_checkpoint(recipe: Recipe, stage: Stage, ckpt_dir: Path) -> dict | None:
@@ -516,18 +661,24 @@ def fit_and_export(recipe: Recipe, model, data: TrainData, rank: RankSetup, stag
         m = commit_checkpoint(stage, ckpt_dir, epoch, local_step, {"recipe_digest": recipe.train_digest()})
         prune_step_checkpoints(stage, m)
         prune_local_checkpoints(ckpt_dir, epoch)
+        if data.feed is not None:
+            data.feed.on_commit(epoch, local_step)
         if board is not None:
             upload_tensorboard(board, work / "tensorboard", stage)
 
     every = recipe.train.checkpoint_every_minutes
     trainer = compat.StoreTrainer(model, cfg, data.train_loader, data.val_loader, on_checkpoint=on_checkpoint,
-                                  checkpoint_every_s=every and every * 60)
+                                  checkpoint_every_s=every and every * 60,
+                                  checkpoint_due=data.feed.checkpoint_due if data.feed else None)
     try:
         trainer.run_training()  # its CPU warning filters live in compat (adaptation 4)
         if trainer.interrupted:
             maybe_destroy_distributed()
             raise EagleJobsError("train: interrupted by a signal; the checkpoint is committed, rerun to resume",
                                  ExitCode.INTERRUPTED)
+        if data.feed is not None:
+            record["stream"] = {"first_step_at": data.feed.first_step_at, "consumed_shards": len(data.feed.marked),
+                                "window_bytes": data.feed.window, "later_epochs": recipe.train.later_epochs}
         if get_rank() == 0:
             export_selected(recipe, stage, ckpt_dir, record, recorder.records, started)
         if board is not None:

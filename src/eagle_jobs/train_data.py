@@ -1,5 +1,6 @@
 """The hidden-state samples a draft trains on, as speculators' dataset: read from staged shards, or
-by range reads from the store until a shard is staged (train.ShardStager).
+by range reads from the store until a shard is staged (train.ShardStager); with train.source stream,
+read from the shards extraction is still committing, batched in the stream's order.
 
 A module of its own, not a class inside the train entry: with `train.num_workers` > 0
 speculators' DataLoader starts its workers with `spawn`, which pickles the dataset by its
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from speculators.train.data import BaseDataset
+from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2, _assign_to_packed_batches
 
 from eagle_jobs.committed import read_sample_bytes
 from eagle_jobs.hsformat import decode_sample
@@ -52,3 +55,128 @@ class StoreHiddenStatesDataset(BaseDataset):
         hs = s["hidden_states"]  # [T, L, H]: aux layers, then the final layer
         return {"hidden_states": hs[:, :-1].flatten(1), "input_ids": s["token_ids"],
                 "verifier_last_hidden_states": hs[:, -1], "loss_mask": s["loss_mask"]}
+
+
+class StreamHiddenStatesDataset(BaseDataset):
+    """train.source stream: samples of shards extraction is still committing, read in the stream's order.
+
+    Item i is (shard of pass 0, row id, tokens); index `p * len(items) + i` is item i of extraction
+    pass p (StreamBatchSampler numbers re-extracted epochs so). A read waits until its shard's manifest
+    is committed (the manifest is the commit: the object is whole before it), saying how far behind
+    extraction training is; a row extraction skipped is speculators' SampleUnavailable, left out of its batch.
+    """
+
+    def __init__(self, store_uri: str, run_id: str, items: list[tuple[str, str, int]], order: list[str],
+                 max_len: int, dtype: torch.dtype):
+        self.store_uri, self.run_id, self.items, self.order = store_uri, run_id, items, order
+        self._store: Store | None = None
+        self._entries: dict[str, tuple[str, dict[str, dict]]] = {}  # shard -> (file, row id -> entry)
+        super().__init__(max_len, dtype)
+
+    def _compute_approx_lengths(self):
+        return [min(n, self.max_len) for _s, _r, n in self.items]
+
+    def __len__(self):
+        return len(self.items)
+
+    def _shard(self, name: str) -> tuple[str, dict[str, dict]]:
+        if name not in self._entries:
+            if self._store is None:
+                self._store = Store.open(self.store_uri)
+            m = wait_committed(self._store, self.run_id, name, self.order)
+            (fname,) = m["files"]
+            if len(self._entries) >= 256:  # a shuffle group's shards at a time, not the whole stream's
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[name] = (fname, {e["row_id"]: e for e in m["samples"]})
+        return self._entries[name]
+
+    def _get_raw_data(self, index: int):
+        from speculators.train.recovery import SampleUnavailable
+
+        from eagle_jobs.stream import pass_name
+
+        p, i = divmod(index, len(self.items))
+        shard, row_id, _n = self.items[i]
+        fname, entries = self._shard(pass_name(shard, p))
+        e = entries.get(row_id)
+        if e is None:
+            return SampleUnavailable(reason=f"{row_id}: skipped by extraction")
+        assert self._store is not None
+        s = decode_sample(read_sample_bytes(self._store, self.run_id, fname, e), e, self.hidden_states_dtype)
+        hs = s["hidden_states"]
+        return {"hidden_states": hs[:, :-1].flatten(1), "input_ids": s["token_ids"],
+                "verifier_last_hidden_states": hs[:, -1], "loss_mask": s["loss_mask"]}
+
+
+def wait_committed(store: Store, run_id: str, shard: str, order: list[str]) -> dict:
+    """The manifest of `shard` once extraction commits it; says where training is in the stream."""
+    import time
+
+    from eagle_jobs import stream
+    from eagle_jobs.errors import BadInput
+    from eagle_jobs.layout import StageName
+    from eagle_jobs.progress import console
+    from eagle_jobs.store import Stage
+
+    stage = Stage(store, run_id, StageName.EXTRACT.dir)
+    pos, started, last = order.index(shard), time.monotonic(), None
+    while (m := stage.manifest(shard)) is None:
+        stream.check_not_failed(store, run_id)
+        if stage.is_complete() and stage.manifest(shard) is None:
+            raise BadInput(f"train: extraction of run '{run_id}' completed without shard {shard} of the stream "
+                           "plan: were the rows or the recipe changed? rerun extract with this recipe")
+        now = time.monotonic()
+        if last is None or now - last >= stream.REPORT_S:
+            have = len(stage.store.list(stage.key("manifests")))
+            console.print(f"  stream: training waits for shard {pos + 1} of {len(order)} ({shard}); extraction "
+                          f"has committed {have} ({now - started:.0f} s)", markup=False, highlight=False)
+            last = now
+        time.sleep(stream.POLL_S)
+    have = len(stage.store.list(stage.key("manifests")))
+    console.print(f"  stream: reading shard {pos + 1} of {len(order)}; extraction has committed {have}, "
+                  f"{max(0, have - pos - 1)} ahead of training", markup=False, highlight=False)
+    return m
+
+
+class StreamBatchSampler(MultipackDistributedBatchSamplerV2):
+    """speculators' packing sampler over the stream's order: shuffled only within groups of consecutive
+    shards (so a batch never needs a shard far ahead of the one being read), and in a re-extract run
+    epoch p's indices point at extraction pass p. Its fast-skip resume (`_cached_generated_batches`)
+    works unchanged."""
+
+    def __init__(self, lengths: list[int], groups: list[list[int]], reextract: bool, batch_max_length: int,
+                 num_replicas: int, rank: int, seed: int):
+        super().__init__(batch_max_length=batch_max_length, lengths=lengths, num_replicas=num_replicas, rank=rank,
+                         seed=seed)
+        self.groups, self.reextract = groups, reextract
+        self._done_after: tuple[int, np.ndarray] = (-1, np.zeros(0, dtype=int))
+
+    def _order(self, epoch: int) -> np.ndarray:
+        rng = np.random.default_rng(self.seed + epoch)
+        return np.concatenate([rng.permutation(np.asarray(g, dtype=int)) for g in self.groups if g])
+
+    def _packed(self, order: np.ndarray, rank: int) -> list[np.ndarray]:
+        return _assign_to_packed_batches(self.lengths[order], self.batch_max_length, rank, self.num_replicas)
+
+    def _generate_batches(self, epoch: int) -> list[np.ndarray]:
+        if self._cached_generated_batches[0] == epoch:
+            return self._cached_generated_batches[1]
+        order = self._order(epoch)
+        offset = epoch * len(self.lengths) if self.reextract else 0
+        batches = [order[b] + offset for b in self._packed(order, self.rank)]
+        self._cached_generated_batches = (epoch, batches)
+        return batches
+
+    def groups_done(self, epoch: int, steps: int) -> int:
+        """How many leading groups every rank has finished after `steps` steps of `epoch`: each step packs
+        the next run of the order across all ranks, so everything up to the furthest position is read."""
+        if self._done_after[0] != epoch:
+            order = self._order(epoch)
+            group_end = np.cumsum([len(g) for g in self.groups if g])  # position after each group
+            per_rank = [[max(b, default=-1) for b in self._packed(order, r)] for r in range(self.num_replicas)]
+            furthest = np.maximum.accumulate(np.max(np.array(per_rank), axis=0))  # after step j+1
+            self._done_after = (epoch, np.searchsorted(group_end, furthest + 1, side="right"))
+        done = self._done_after[1]
+        if steps >= len(done):
+            return len([g for g in self.groups if g])  # the epoch's end: the dropped tail is done too
+        return int(done[steps - 1]) if steps > 0 else 0

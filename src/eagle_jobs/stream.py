@@ -1,0 +1,190 @@
+"""Streaming (`train.source: stream`): training reads extraction's shards in commit order while
+extraction goes on, and the store holds at most `store.window_bytes` of states training has not
+finished with (issue 22). The layer below extract and train, which never import each other:
+
+- both plan the same shards from the same committed rows (`stream_order`): validation shards
+  first (kept: each epoch's validation reads them), then the training shards, then, with
+  `train.later_epochs: re-extract`, the training shards again under a pass suffix for each later
+  epoch (prefill again, no generation);
+- training marks a shard consumed (`<run>/stream/consumed/<shard>.json`) once a committed
+  checkpoint is past its last sample, and in re-extract mode deletes its data then: a restarted
+  trainer resumes at that checkpoint and never needs a deleted shard;
+- extraction pauses while the committed, unconsumed shards fill the window (`wait_for_window`),
+  and a restarted extractor skips consumed shards as it skips committed ones.
+
+The window's budget, W = store.window_bytes, so that neither side waits on the other for ever:
+training shuffles within groups of consecutive shards of at most W/8 (GROUP_SHARE) and asks for a
+checkpoint once the groups it has finished since the last one hold W/4 (CHECKPOINT_SHARE). When
+training waits for a shard, the window holds at most what awaits a checkpoint (< W/4) and the groups
+the current step touches (one step's states plus a group at each end: <= 3W/8), so extraction can
+commit its next shard when a shard and a step's states are each at most W/8: the recipe checks
+shards (recipe.WINDOW_SHARDS), training checks steps (`check_window`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from eagle_jobs.errors import BadInput, EagleJobsError
+from eagle_jobs.layout import STREAM, StageName
+from eagle_jobs.progress import console
+from eagle_jobs.records import Row, Split
+from eagle_jobs.sharding import owned, plan_shards, shard_name
+from eagle_jobs.store import Stage, Store
+
+GROUP_SHARE, CHECKPOINT_SHARE = 8, 4  # a shuffle group <= W/8; a checkpoint once W/4 is finished with
+POLL_S = 1.0  # how often a waiting side looks at the store again
+REPORT_S = 30.0  # and how often it says that it is still waiting
+
+
+@dataclass(frozen=True)
+class StreamShard:
+    """One shard of the stream: extraction's shard name, its pass, and the rows it holds."""
+
+    name: str
+    worker: int
+    pass_index: int
+    split: Split
+    row_ids: tuple[str, ...]
+    planned_bytes: int
+
+    @property
+    def fname(self) -> str:
+        return f"{self.name}.safetensors"
+
+
+def pass_name(name: str, pass_index: int) -> str:
+    """Pass 0 keeps the stored mode's shard name; a re-extracted pass gets a suffix."""
+    return name if pass_index == 0 else f"{name}-pass{pass_index:03d}"
+
+
+def worker_stream(rows: Sequence[Row], bytes_per_tok: int, shard_bytes: int, index: int, num: int,
+                  passes: int) -> list[StreamShard]:
+    """Worker `index` of `num`'s shards in the order it extracts them."""
+    mine = owned(rows, index, num)
+    val = plan_shards([r for r in mine if r["split"] != "train"], bytes_per_tok, shard_bytes)
+    train = plan_shards([r for r in mine if r["split"] == "train"], bytes_per_tok, shard_bytes)
+    out: list[StreamShard] = []
+
+    def add(shard_rows: list[Row], k: int, split: Split, p: int) -> None:
+        size = sum(len(r["input_ids"]) for r in shard_rows) * bytes_per_tok
+        out.append(StreamShard(pass_name(shard_name(index, num, k), p), index, p, split,
+                               tuple(r["row_id"] for r in shard_rows), size))
+
+    for k, s in enumerate(val):
+        add(s, k, "validation", 0)
+    for p in range(passes):
+        for k, s in enumerate(train, start=len(val)):
+            add(s, k, "train", p)
+    return out
+
+
+def stream_order(rows: Sequence[Row], bytes_per_tok: int, shard_bytes: int, num_workers: int,
+                 passes: int) -> list[StreamShard]:
+    """Every worker's shards, interleaved (the i-th of each worker in turn): the order they commit
+    in when the workers keep pace, and the order training reads them in."""
+    per = [worker_stream(rows, bytes_per_tok, shard_bytes, w, num_workers, passes) for w in range(num_workers)]
+    return [lst[i] for i in range(max(map(len, per), default=0)) for lst in per if i < len(lst)]
+
+
+def check_window(window: int, step_bytes: int) -> None:
+    """Training: one optimizer step's states (all ranks) must be at most an eighth of the window."""
+    if window < GROUP_SHARE * step_bytes:
+        raise BadInput(f"store.window_bytes {window:,} is below {GROUP_SHARE} x one step's states ({step_bytes:,} "
+                       "bytes: train.total_seq_len x bytes per token x ranks): raise the window or lower total_seq_len")
+
+
+def num_workers_of(shard: str) -> int:
+    """The worker count a shard name was planned for (`00001-of-00004-00007`)."""
+    try:
+        return int(shard.split("-of-", 1)[1][:5])
+    except (IndexError, ValueError):
+        raise BadInput(f"extraction shard '{shard}' is not a worker shard name: rerun extract") from None
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+# -- consumption --------------------------------------------------------------------
+def consumed_key(run_id: str, shard: str = "") -> str:
+    return f"{run_id}/{STREAM}/consumed/{shard}.json" if shard else f"{run_id}/{STREAM}/consumed"
+
+
+def consumed(store: Store, run_id: str) -> set[str]:
+    """Shards training has finished with (their data deleted in re-extract mode)."""
+    return {k.rsplit("/", 1)[1].removesuffix(".json") for k in store.list(consumed_key(run_id))
+            if k.endswith(".json")}
+
+
+def mark_consumed(store: Store, run_id: str, shards: Sequence[StreamShard], delete: bool, at: dict) -> None:
+    """The marker first, then the delete: a crash between them leaves a consumed shard's bytes,
+    never a missing shard that is not marked (which a restarted extractor would redo)."""
+    stage = Stage(store, run_id, StageName.EXTRACT.dir)
+    for s in shards:
+        store.put_json(consumed_key(run_id, s.name), {"shard": s.name, "deleted": delete, **at})
+        if delete:
+            store.delete(stage.key(f"data/{s.fname}"))
+
+
+def is_validation(manifest: dict) -> bool:
+    """A stream's validation shard: kept for every epoch's validation, outside the window."""
+    return bool(manifest["samples"]) and all(e["split"] == "validation" for e in manifest["samples"])
+
+
+def live_bytes(store: Store, run_id: str) -> int:
+    """Bytes of committed training shards training has not finished with: what the window bounds.
+    The validation shards (the held-out split, read by every epoch's validation) come on top."""
+    done = consumed(store, run_id)
+    return sum(sum(f["size"] for f in m["files"].values())
+               for m in Stage(store, run_id, StageName.EXTRACT.dir).manifests()
+               if m["shard"] not in done and not is_validation(m))
+
+
+def stored_bytes(store: Store, run_id: str) -> int:
+    """What the extraction's data objects take on the store now (what `peak store use` measures)."""
+    stage = Stage(store, run_id, StageName.EXTRACT.dir)
+    total = 0
+    for k in store.list(stage.key("data")):
+        try:
+            total += store.size(k)
+        except FileNotFoundError:  # deleted between the listing and the stat
+            pass
+    return total
+
+
+def wait_for_window(store: Store, run_id: str, window: int, next_bytes: int,
+                    say: Callable[[str], None] = console.print) -> None:
+    """Extraction: block while committing `next_bytes` more would put the window over."""
+    started, last = time.monotonic(), None
+    while (live := live_bytes(store, run_id)) and live + next_bytes > window:
+        now = time.monotonic()
+        if last is None or now - last >= REPORT_S:
+            say(f"  window full: {mib(live)} of {mib(window)} not yet trained on; "
+                f"waiting for training ({now - started:.0f} s)")
+            last = now
+        time.sleep(POLL_S)
+
+
+# -- a failure on one side, seen by the other ------------------------------------------------
+def failed_key(run_id: str) -> str:
+    return f"{run_id}/{STREAM}/extract-failed.json"
+
+
+def mark_failed(store: Store, run_id: str, error: str) -> None:
+    store.put_json(failed_key(run_id), {"error": error, "at": time.time()})
+
+
+def clear_failed(store: Store, run_id: str) -> None:
+    store.delete(failed_key(run_id))
+
+
+def check_not_failed(store: Store, run_id: str) -> None:
+    try:
+        err = store.get_json(failed_key(run_id))
+    except FileNotFoundError:
+        return
+    raise EagleJobsError(f"train: extraction of run '{run_id}' failed while streaming ({err['error']}); "
+                         "fix it and rerun: training resumes at its last checkpoint")

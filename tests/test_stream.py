@@ -1,0 +1,223 @@
+"""train.source stream (issue 22): training reads extraction's shards as they commit, through a bounded window.
+
+The plan and the sampler are checked as functions; the stream itself runs for real: capture and extraction
+of the tiny Kimi-shaped verifier (transformers backends) beside speculators' training, on moto's S3 server,
+killed with SIGKILL mid-stream and resumed by a rerun of the same command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_resume import kill_pod, read_lines, wait_for
+
+from eagle_jobs import stream
+from eagle_jobs.capture import run_capture
+from eagle_jobs.committed import read_rows
+from eagle_jobs.errors import BadInput
+from eagle_jobs.pipeline import run_streamed
+from eagle_jobs.recipe import load_recipe
+from eagle_jobs.store import Stage, Store
+from eagle_jobs.train import stream_groups
+from eagle_jobs.train_data import StreamBatchSampler
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _rows(n: int, val_every: int = 5) -> list[dict]:
+    return [{"row_id": f"{i:08d}-00", "split": "validation" if i % val_every == 0 else "train",
+             "input_ids": list(range(10 + (i * 7) % 23)), "loss_mask": [1] * (10 + (i * 7) % 23)} for i in range(n)]
+
+
+def test_the_stream_is_validation_first_then_each_training_row_once_per_pass_workers_interleaved():
+    rows = _rows(40)
+    order = stream.stream_order(rows, 100, 5_000, num_workers=3, passes=2)
+    # each worker's validation shards come before its training shards, and the pass-0 names are the stored mode's
+    for w in range(3):
+        mine = [s for s in order if s.worker == w]
+        kinds = [s.split for s in mine]
+        assert kinds == sorted(kinds, key=lambda k: k == "train")
+        assert all(s.name.startswith(f"{w:05d}-of-00003-") for s in mine)
+    for p in range(2):
+        train = [r for s in order if s.pass_index == p and s.split == "train" for r in s.row_ids]
+        assert sorted(train) == sorted(r["row_id"] for r in rows if r["split"] == "train")
+        assert all(s.name.endswith(f"-pass{p:03d}") == (p > 0) for s in order if s.pass_index == p)
+    val = [r for s in order if s.split == "validation" for r in s.row_ids]
+    assert sorted(val) == sorted(r["row_id"] for r in rows if r["split"] == "validation")  # once: kept, not re-read
+    # worker 0's k-th shard, then worker 1's, then worker 2's: the order they commit in at the same pace
+    assert [s.worker for s in order[:6]] == [0, 1, 2, 0, 1, 2]
+    assert len({s.name for s in order}) == len(order)
+    assert stream.num_workers_of(order[0].name) == 3
+    # what extraction's own worker plans is the same list
+    assert [s for s in order if s.worker == 1] == stream.worker_stream(rows, 100, 5_000, 1, 3, 2)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_batches_follow_the_stream_and_every_sample_is_read_once_per_epoch(replicas):
+    rng = np.random.default_rng(0)
+    lengths = [int(x) for x in rng.integers(5, 60, size=90)]
+    groups = [list(range(i, min(i + 12, 90))) for i in range(0, 90, 12)]  # 8 groups in stream order
+    group_of = {i: g for g, idx in enumerate(groups) for i in idx}
+    samplers = [StreamBatchSampler(lengths, groups, True, 128, replicas, r, seed=3) for r in range(replicas)]
+    for epoch in (0, 1):
+        per_rank = [s._generate_batches(epoch) for s in samplers]
+        assert len({len(b) for b in per_rank}) == 1  # every rank steps together
+        seen = [int(i) - epoch * 90 for b in per_rank for batch in b for i in batch]
+        assert len(seen) == len(set(seen)) and len(seen) >= 90 - (replicas - 1)  # speculators drops < replicas
+        assert all(epoch * 90 <= int(i) < (epoch + 1) * 90 for b in per_rank for batch in b for i in batch)
+        # a step never reads behind an earlier step's groups: steps advance through the stream
+        step_groups = [[group_of[int(i) - epoch * 90] for b in per_rank for i in b[j]] for j in range(len(per_rank[0]))]
+        assert all(max(a) <= min(b) for a, b in zip(step_groups, step_groups[1:]) if a and b)
+        # groups_done: nondecreasing, the same on every rank, every group at the epoch's end, and never a group
+        # a later step still reads
+        done = [[s.groups_done(epoch, j) for j in range(len(per_rank[0]) + 1)] for s in samplers]
+        assert all(d == done[0] for d in done) and done[0] == sorted(done[0]) and done[0][-1] == len(groups)
+        for j in range(len(per_rank[0])):
+            later = [g for k in range(j + 1, len(step_groups)) for g in step_groups[k]]
+            assert not later or done[0][j + 1] <= min(later), (epoch, j)
+    # another epoch shuffles within the groups, not across them
+    e0, e1 = ([sorted(int(i) % 90 for i in b) for b in samplers[0]._generate_batches(e)] for e in (0, 1))
+    assert e0 != e1
+
+
+def test_stream_groups_hold_consecutive_shards_up_to_the_group_size():
+    shards = stream.stream_order(_rows(60), 100, 3_000, 1, 1)
+    train = [s for s in shards if s.split == "train"]
+    groups = stream_groups(train, 7_000)
+    assert [s for g in groups for s in g] == train
+    assert all(len(g) == 1 or sum(s.planned_bytes for s in g) <= 7_000 for g in groups)
+
+
+@pytest.mark.parametrize(("store", "want"), [
+    ({}, "train.source stream needs store.window_bytes"),
+    ({"window_bytes": 1000}, "store.window_bytes 1,000 is below 8 x extract.shard_bytes"),
+])
+def test_a_stream_recipe_without_a_window_that_works_is_refused_in_one_line(tmp_path, store, want):
+    p = tmp_path / "r.yaml"
+    p.write_text(json.dumps({"name": "x", "verifier": {"model": "m"}, "prompts": {"source": "p"},
+                             "aux_layer_ids": [1], "extract": {"shard_bytes": 500},
+                             "train": {"source": "stream"}, "store": store}))
+    with pytest.raises(BadInput) as e:
+        load_recipe(p)
+    assert want in str(e.value) and "\n" not in str(e.value)
+    p.write_text(json.dumps({"name": "x", "verifier": {"model": "m"}, "prompts": {"source": "p"},
+                             "aux_layer_ids": [1], "train": {"later_epochs": "re-extract"}}))
+    with pytest.raises(BadInput, match="later_epochs re-extract streams each epoch: it needs train.source: stream"):
+        load_recipe(p)
+
+
+def _stream_recipe(tiny_recipe, tmp_path, uri: str, **train):
+    return tiny_recipe(
+        prompts={"source": str(_prompts(tmp_path)), "validation": 2},
+        extract={"shard_bytes": 15_000},
+        train={"epochs": 2, "total_seq_len": 64, "source": "stream", "later_epochs": "re-extract", **train},
+        store={"uri": uri, "run_id": "r", "window_bytes": 280_000})
+
+
+def _prompts(tmp_path: Path) -> Path:
+    from conftest import write_prompts
+
+    return write_prompts(tmp_path / "stream-prompts.jsonl", n=24)
+
+
+def _shard_bytes(m: dict) -> int:
+    return sum(f["size"] for f in m["files"].values())
+
+
+def test_training_starts_before_extraction_ends_and_the_store_stays_within_the_window(tiny_recipe, tmp_path, bucket):
+    recipe = _stream_recipe(tiny_recipe, tmp_path, f"s3://{bucket}/runs")
+    st = Store.open(recipe.store.uri)
+    run_capture(recipe, st, "r")
+    extract = Stage(st, "r", "extract")
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:  # the store's own bytes, sampled far faster than the pipeline's once a second
+        while not stop.wait(0.05):
+            peak[0] = max(peak[0], stream.stored_bytes(Store.open(recipe.store.uri), "r"))
+
+    w = threading.Thread(target=watch, daemon=True)
+    w.start()
+    try:
+        summary = run_streamed(recipe, st, "r")
+    finally:
+        stop.set()
+        w.join()
+    st = Store.open(recipe.store.uri)
+    extract = Stage(st, "r", "extract")
+    manifests = extract.manifests()
+    val = [m for m in manifests if stream.is_validation(m)]
+    train = [m for m in manifests if not stream.is_validation(m)]
+    # training's first step came before extraction's end: the two ran at the same time
+    assert summary["overlap_s"] > 0 and summary["train_first_step_s"] < summary["extract_end_s"], summary
+    # the window held: training shards not finished with, plus the kept validation shards and one shard in flight
+    corpus = sum(_shard_bytes(m) for m in train)
+    bound = recipe.store.window_bytes + sum(_shard_bytes(m) for m in val) + max(_shard_bytes(m) for m in train)
+    assert corpus > 2 * recipe.store.window_bytes  # two passes of a corpus far above the window
+    assert max(peak[0], summary["peak_store_bytes"]) <= bound, (peak, summary, bound)
+    # every training shard of both passes was read, marked and deleted; the validation shards stay
+    assert stream.consumed(st, "r") == {m["shard"] for m in train}
+    assert {m["shard"] for m in train if m["shard"].endswith("-pass001")} and extract.is_complete()
+    assert sorted(k.rsplit("/", 1)[1] for k in st.list(extract.key("data"))) == sorted(
+        f"{m['shard']}.safetensors" for m in val)
+    final = Stage(st, "r", "train").manifest("final")
+    rec = json.loads(Stage(st, "r", "train").read("final/train_config.json", final["files"]["final/train_config.json"]))
+    assert rec["stream"]["consumed_shards"] == len(train) and rec["stream"]["later_epochs"] == "re-extract"
+
+
+def start_run(recipe_path: Path, tmp_path: Path, name: str) -> subprocess.Popen:
+    """`eagle-jobs run` in a process of its own, with test_resume's step spy (epoch, step, sample indices)."""
+    env = {**os.environ, "EAGLE_JOBS_WORK_DIR": str(tmp_path / f"work-{name}"),
+           "STEP_LOG": str(tmp_path / f"{name}.steps.jsonl"),
+           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    out = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - read while it runs
+    return subprocess.Popen([sys.executable, "-c", "import test_resume; test_resume.spied_pod_main()", "run",
+                             "--recipe", str(recipe_path), "--stages", "extract,train"],
+                            env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def test_a_sigkill_mid_stream_resumes_with_no_shard_lost_and_no_sample_trained_twice(tiny_recipe, tmp_path, bucket):
+    recipe = _stream_recipe(tiny_recipe, tmp_path, f"s3://{bucket}/runs", checkpoint_every_minutes=0.05 / 60)
+    st = Store.open(recipe.store.uri)
+    run_capture(recipe, st, "r")
+    rfile = tmp_path / "recipe.json"
+    rfile.write_text(json.dumps(recipe.model_dump(mode="json")))
+    run1 = start_run(rfile, tmp_path, "run1")
+
+    def mid_stream() -> bool:  # training has finished with some shards, extraction is not done
+        s = Store.open(recipe.store.uri)
+        return len(stream.consumed(s, "r")) >= 4 and not Stage(s, "r", "extract").is_complete()
+
+    wait_for(run1, tmp_path / "run1.log", "consumed shards mid-stream", mid_stream, timeout=600)
+    kill_pod(run1)  # extraction and training of one process, and nothing else, at once
+    st = Store.open(recipe.store.uri)
+    consumed1 = stream.consumed(st, "r")
+    run2 = start_run(rfile, tmp_path, "run2")
+    assert run2.wait(timeout=900) == 0, (tmp_path / "run2.log").read_text()[-3000:]
+    st = Store.open(recipe.store.uri)
+    extract, train = Stage(st, "r", "extract"), Stage(st, "r", "train")
+    assert extract.is_complete() and train.is_complete()
+    # no shard lost: every training shard of both passes committed, read and deleted once, and the rerun did
+    # not extract again what the killed run's training had finished with
+    names = {m["shard"] for m in extract.manifests() if not stream.is_validation(m)}
+    assert stream.consumed(st, "r") == names and consumed1 < names
+    log2 = (tmp_path / "run2.log").read_text()
+    assert not any(f"committed {n}:" in log2 for n in consumed1), log2[-2000:]
+    # no sample trained twice, none skipped: run 1's steps up to its newest checkpoint, then run 2's
+    rows = [r for r in read_rows(st, "r") if r["split"] == "train" and sum(r["loss_mask"]) > 1]
+    steps1 = [e for e in read_lines(tmp_path / "run1.steps.jsonl") if "step" in e]
+    steps2 = [e for e in read_lines(tmp_path / "run2.steps.jsonl") if "step" in e]
+    first2 = (steps2[0]["epoch"], steps2[0]["step"])
+    assert first2 > (0, 1) and any((e["epoch"], e["step"]) < first2 for e in steps1)  # resumed mid-stream
+    n = len(rows)
+    for epoch in range(recipe.train.epochs):
+        seen = [s - epoch * n for e in steps1 if e["epoch"] == epoch and (e["epoch"], e["step"]) < first2
+                for s in e["samples"]]
+        seen += [s - epoch * n for e in steps2 if e["epoch"] == epoch for s in e["samples"]]
+        assert sorted(seen) == list(range(n)), (epoch, sorted(seen))
