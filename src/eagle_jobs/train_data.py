@@ -70,7 +70,7 @@ class StreamHiddenStatesDataset(BaseDataset):
                  max_len: int, dtype: torch.dtype):
         self.store_uri, self.run_id, self.items, self.order = store_uri, run_id, items, order
         self._store: Store | None = None
-        self._entries: dict[str, tuple[str, dict[str, dict]]] = {}  # shard -> (file, row id -> entry)
+        self._entries: dict[str, tuple[str, dict[str, dict], set[str]]] = {}  # shard -> (file, entries, skipped)
         super().__init__(max_len, dtype)
 
     def _compute_approx_lengths(self):
@@ -79,7 +79,7 @@ class StreamHiddenStatesDataset(BaseDataset):
     def __len__(self):
         return len(self.items)
 
-    def _shard(self, name: str) -> tuple[str, dict[str, dict]]:
+    def _shard(self, name: str) -> tuple[str, dict[str, dict], set[str]]:
         if name not in self._entries:
             if self._store is None:
                 self._store = Store.open(self.store_uri)
@@ -87,7 +87,7 @@ class StreamHiddenStatesDataset(BaseDataset):
             (fname,) = m["files"]
             if len(self._entries) >= 256:  # a shuffle group's shards at a time, not the whole stream's
                 self._entries.pop(next(iter(self._entries)))
-            self._entries[name] = (fname, {e["row_id"]: e for e in m["samples"]})
+            self._entries[name] = (fname, {e["row_id"]: e for e in m["samples"]}, {k["row_id"] for k in m["skipped"]})
         return self._entries[name]
 
     def _get_raw_data(self, index: int):
@@ -97,10 +97,17 @@ class StreamHiddenStatesDataset(BaseDataset):
 
         p, i = divmod(index, len(self.items))
         shard, row_id, _n = self.items[i]
-        fname, entries = self._shard(pass_name(shard, p))
+        name = pass_name(shard, p)
+        fname, entries, skipped = self._shard(name)
         e = entries.get(row_id)
-        if e is None:
+        if e is None and row_id in skipped:
             return SampleUnavailable(reason=f"{row_id}: skipped by extraction")
+        if e is None:
+            from eagle_jobs.errors import BadInput
+
+            raise BadInput(f"train: extraction shard {name} of run '{self.run_id}' does not hold row {row_id}, which "
+                           "the stream's plan puts there: it was extracted in stored mode or with other settings; "
+                           "stream into a new run id, or train with train.source: stored")
         assert self._store is not None
         s = decode_sample(read_sample_bytes(self._store, self.run_id, fname, e), e, self.hidden_states_dtype)
         hs = s["hidden_states"]
