@@ -224,6 +224,9 @@ def test_a_sigkill_mid_stream_resumes_with_no_shard_lost_and_no_sample_trained_t
     assert stream.consumed(st, "r") == names and consumed1 < names
     log2 = (tmp_path / "run2.log").read_text()
     assert not any(f"committed {n}:" in log2 for n in consumed1), log2[-2000:]
+    assert "streamed into train" in log2  # `eagle-jobs run` ran the two as one step
+    if backend == "vllm":  # the extraction was real vLLM's, a fresh server for the rerun
+        assert "vllm-extract-0.log" in log2
     # no sample trained twice, none skipped: run 1's steps up to its newest checkpoint, then run 2's
     rows = [r for r in read_rows(st, "r") if r["split"] == "train" and sum(r["loss_mask"]) > 1]
     steps1 = [e for e in read_lines(tmp_path / "run1.steps.jsonl") if "step" in e]
