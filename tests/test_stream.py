@@ -180,65 +180,101 @@ def test_training_starts_before_extraction_ends_and_the_store_stays_within_the_w
     assert rec["stream"]["consumed_shards"] == len(train) and rec["stream"]["later_epochs"] == "re-extract"
 
 
-def start_run(recipe_path: Path, tmp_path: Path, name: str) -> subprocess.Popen:
-    """`eagle-jobs run` in a process of its own, with test_resume's step spy (epoch, step, sample indices)."""
+def start(recipe_path: Path, tmp_path: Path, name: str, *command: str) -> subprocess.Popen:
+    """`eagle-jobs <command>` in a process of its own, with test_resume's step spy (epoch, step, sample indices)."""
     env = {**os.environ, "EAGLE_JOBS_WORK_DIR": str(tmp_path / f"work-{name}"),
            "STEP_LOG": str(tmp_path / f"{name}.steps.jsonl"),
            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     out = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - read while it runs
-    return subprocess.Popen([sys.executable, "-c", "import test_resume; test_resume.spied_pod_main()", "run",
-                             "--recipe", str(recipe_path), "--stages", "extract,train"],
-                            env=env, stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen([sys.executable, "-c", "import test_resume; test_resume.spied_pod_main()", *command,
+                             "--recipe", str(recipe_path)], env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _captured(tiny_recipe, tmp_path: Path, bucket: str, backend: str = "transformers"):
+    recipe = _stream_recipe(tiny_recipe, tmp_path, f"s3://{bucket}/runs", backend,
+                            checkpoint_every_minutes=0.05 / 60)
+    run_capture(recipe, Store.open(recipe.store.uri), "r")
+    rfile = tmp_path / "recipe.json"
+    rfile.write_text(json.dumps(recipe.model_dump(mode="json")))
+    return recipe, rfile
+
+
+def _kill_mid_stream(recipe, tmp_path: Path, proc: subprocess.Popen, name: str) -> set[str]:
+    """SIGKILL `proc` (and what it started) once training has finished with some shards and extraction
+    is not done; the shards consumed then."""
+    watch = Store.open(recipe.store.uri)
+
+    def mid_stream() -> bool:
+        time.sleep(0.2)  # a listing of moto's bucket at most five times a second
+        return len(stream.consumed(watch, "r")) >= 4 and not Stage(watch, "r", "extract").is_complete()
+
+    wait_for(proc, tmp_path / f"{name}.log", "consumed shards mid-stream", mid_stream, timeout=600)
+    kill_pod(proc)
+    return stream.consumed(Store.open(recipe.store.uri), "r")
+
+
+def _nothing_lost_nothing_twice(recipe, tmp_path: Path, consumed_at_kill: set[str], extract_logs: list[str],
+                                train_logs: list[str]) -> None:
+    """Every training shard of both passes committed, read and deleted once; nothing consumed extracted again;
+    each training sample trained once per epoch: the killed trainer's steps up to its newest checkpoint, then
+    its successor's (or one trainer's steps, when it was not the one killed)."""
+    st = Store.open(recipe.store.uri)
+    extract, train = Stage(st, "r", "extract"), Stage(st, "r", "train")
+    assert extract.is_complete() and train.is_complete()
+    names = {m["shard"] for m in extract.manifests() if not stream.is_validation(m)}
+    assert stream.consumed(st, "r") == names and consumed_at_kill < names
+    later = "".join((tmp_path / f"{n}.log").read_text() for n in extract_logs[1:])
+    assert not any(f"committed {n}:" in later for n in consumed_at_kill), later[-2000:]
+    committed = [ln for n in extract_logs for ln in (tmp_path / f"{n}.log").read_text().splitlines()
+                 if ln.startswith("  committed 0")]
+    assert len(committed) == len({ln.split(":")[0] for ln in committed}) == len(names) + sum(
+        1 for m in extract.manifests() if stream.is_validation(m))  # each shard committed once
+    rows = [r for r in read_rows(st, "r") if r["split"] == "train" and sum(r["loss_mask"]) > 1]
+    steps = [[e for e in read_lines(tmp_path / f"{n}.steps.jsonl") if "step" in e] for n in train_logs]
+    resumed_at = (steps[1][0]["epoch"], steps[1][0]["step"]) if len(steps) > 1 else (recipe.train.epochs, 0)
+    if len(steps) > 1:
+        assert resumed_at > (0, 1) and any((e["epoch"], e["step"]) < resumed_at for e in steps[0])  # mid-stream
+    n = len(rows)
+    for epoch in range(recipe.train.epochs):
+        seen = [s - epoch * n for e in steps[0] if e["epoch"] == epoch and (e["epoch"], e["step"]) < resumed_at
+                for s in e["samples"]]
+        seen += [s - epoch * n for later_steps in steps[1:] for e in later_steps if e["epoch"] == epoch
+                 for s in e["samples"]]
+        assert sorted(seen) == list(range(n)), (epoch, sorted(seen))
 
 
 @pytest.mark.parametrize("backend", ["transformers", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.e2e])])
 def test_a_sigkill_mid_stream_resumes_with_no_shard_lost_and_no_sample_trained_twice(tiny_recipe, tmp_path, bucket,
                                                                                      backend):
-    """Issue 22's done-when: on moto's S3, with the extraction of real vLLM (and of the transformers backend)."""
-    recipe = _stream_recipe(tiny_recipe, tmp_path, f"s3://{bucket}/runs", backend,
-                            checkpoint_every_minutes=0.05 / 60)
-    st = Store.open(recipe.store.uri)
-    run_capture(recipe, st, "r")
-    rfile = tmp_path / "recipe.json"
-    rfile.write_text(json.dumps(recipe.model_dump(mode="json")))
-    run1 = start_run(rfile, tmp_path, "run1")
-
-    watch = Store.open(recipe.store.uri)
-
-    def mid_stream() -> bool:  # training has finished with some shards, extraction is not done
-        time.sleep(0.2)  # a listing of moto's bucket at most five times a second
-        return len(stream.consumed(watch, "r")) >= 4 and not Stage(watch, "r", "extract").is_complete()
-
-    wait_for(run1, tmp_path / "run1.log", "consumed shards mid-stream", mid_stream, timeout=600)
-    kill_pod(run1)  # extraction and training of one process, and nothing else, at once
-    st = Store.open(recipe.store.uri)
-    consumed1 = stream.consumed(st, "r")
-    run2 = start_run(rfile, tmp_path, "run2")
+    """Issue 22's done-when: on moto's S3, with the extraction of real vLLM (and of the transformers backend).
+    `eagle-jobs run` runs both sides in one process: the kill takes both at once."""
+    recipe, rfile = _captured(tiny_recipe, tmp_path, bucket, backend)
+    run = ("run", "--stages", "extract,train")
+    consumed = _kill_mid_stream(recipe, tmp_path, start(rfile, tmp_path, "run1", *run), "run1")
+    run2 = start(rfile, tmp_path, "run2", *run)
     assert run2.wait(timeout=900) == 0, (tmp_path / "run2.log").read_text()[-3000:]
-    st = Store.open(recipe.store.uri)
-    extract, train = Stage(st, "r", "extract"), Stage(st, "r", "train")
-    assert extract.is_complete() and train.is_complete()
-    # no shard lost: every training shard of both passes committed, read and deleted once, and the rerun did
-    # not extract again what the killed run's training had finished with
-    names = {m["shard"] for m in extract.manifests() if not stream.is_validation(m)}
-    assert stream.consumed(st, "r") == names and consumed1 < names
     log2 = (tmp_path / "run2.log").read_text()
-    assert not any(f"committed {n}:" in log2 for n in consumed1), log2[-2000:]
     assert "streamed into train" in log2  # `eagle-jobs run` ran the two as one step
     if backend == "vllm":  # the extraction was real vLLM's, a fresh server for the rerun
         assert "vllm-extract-0.log" in log2
-    # no sample trained twice, none skipped: run 1's steps up to its newest checkpoint, then run 2's
-    rows = [r for r in read_rows(st, "r") if r["split"] == "train" and sum(r["loss_mask"]) > 1]
-    steps1 = [e for e in read_lines(tmp_path / "run1.steps.jsonl") if "step" in e]
-    steps2 = [e for e in read_lines(tmp_path / "run2.steps.jsonl") if "step" in e]
-    first2 = (steps2[0]["epoch"], steps2[0]["step"])
-    assert first2 > (0, 1) and any((e["epoch"], e["step"]) < first2 for e in steps1)  # resumed mid-stream
-    n = len(rows)
-    for epoch in range(recipe.train.epochs):
-        seen = [s - epoch * n for e in steps1 if e["epoch"] == epoch and (e["epoch"], e["step"]) < first2
-                for s in e["samples"]]
-        seen += [s - epoch * n for e in steps2 if e["epoch"] == epoch for s in e["samples"]]
-        assert sorted(seen) == list(range(n)), (epoch, sorted(seen))
+    _nothing_lost_nothing_twice(recipe, tmp_path, consumed, ["run1", "run2"], ["run1", "run2"])
+
+
+@pytest.mark.parametrize("killed", ["train", "extract"])
+def test_either_side_killed_alone_resumes_while_the_other_goes_on(tiny_recipe, tmp_path, bucket, killed):
+    """As on Kubernetes, where extraction and training are pods of their own: one is killed, its Job starts it
+    again, and the other never stopped."""
+    recipe, rfile = _captured(tiny_recipe, tmp_path, bucket)
+    procs = {side: start(rfile, tmp_path, f"{side}1", side) for side in ("extract", "train")}
+    consumed = _kill_mid_stream(recipe, tmp_path, procs[killed], f"{killed}1")
+    assert procs["train" if killed == "extract" else "extract"].poll() is None  # the other side goes on
+    procs[killed] = start(rfile, tmp_path, f"{killed}2", killed)
+    for side, p in procs.items():
+        log = tmp_path / f"{side}{2 if side == killed else 1}.log"
+        assert p.wait(timeout=900) == 0, (side, log.read_text()[-3000:])
+    extract_logs = ["extract1", "extract2"] if killed == "extract" else ["extract1"]
+    train_logs = ["train1", "train2"] if killed == "train" else ["train1"]
+    _nothing_lost_nothing_twice(recipe, tmp_path, consumed, extract_logs, train_logs)
 
 
 def test_streaming_over_an_extraction_made_in_stored_mode_is_refused_in_one_line(tiny_recipe, tmp_path):
