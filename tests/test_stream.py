@@ -125,9 +125,11 @@ def _stream_recipe(tiny_recipe, tmp_path, uri: str, backend: str = "transformers
                              "port": free_port()}}
     return tiny_recipe(
         prompts={"source": str(_prompts(tmp_path)), "validation": 2},
+        # rows of at most 96 tokens: a step reads at most 96 x 521 bytes, an eighth of the window is 50 kB
+        limits={"max_prompt_tokens": 80, "max_seq_len": 96},
         extract=extract,
         train={"epochs": 2, "total_seq_len": 64, "source": "stream", "later_epochs": "re-extract", **train},
-        store={"uri": uri, "run_id": "r", "window_bytes": 280_000})
+        store={"uri": uri, "run_id": "r", "window_bytes": 420_000})
 
 
 def _prompts(tmp_path: Path) -> Path:
@@ -190,9 +192,9 @@ def start(recipe_path: Path, tmp_path: Path, name: str, *command: str) -> subpro
                              "--recipe", str(recipe_path)], env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
-def _captured(tiny_recipe, tmp_path: Path, bucket: str, backend: str = "transformers"):
+def _captured(tiny_recipe, tmp_path: Path, bucket: str, backend: str = "transformers", epochs: int = 2):
     recipe = _stream_recipe(tiny_recipe, tmp_path, f"s3://{bucket}/runs", backend,
-                            checkpoint_every_minutes=0.05 / 60)
+                            checkpoint_every_minutes=0.05 / 60, epochs=epochs)
     run_capture(recipe, Store.open(recipe.store.uri), "r")
     rfile = tmp_path / "recipe.json"
     rfile.write_text(json.dumps(recipe.model_dump(mode="json")))
@@ -275,6 +277,22 @@ def test_either_side_killed_alone_resumes_while_the_other_goes_on(tiny_recipe, t
     extract_logs = ["extract1", "extract2"] if killed == "extract" else ["extract1"]
     train_logs = ["train1", "train2"] if killed == "train" else ["train1"]
     _nothing_lost_nothing_twice(recipe, tmp_path, consumed, extract_logs, train_logs)
+
+
+def test_a_late_extraction_worker_gets_the_shard_training_waits_for_through_a_full_window(tiny_recipe, tmp_path,
+                                                                                          bucket):
+    """Two extraction workers, as the cluster's Indexed Job runs them; worker 1 starts first and fills the
+    window with shards training cannot use before worker 0's first one. Worker 0, started late (its
+    server slow to load), still commits the shard training is blocked on: nothing waits for ever."""
+    recipe, rfile = _captured(tiny_recipe, tmp_path, bucket, epochs=3)
+    w1 = start(rfile, tmp_path, "extract-w1", "extract", "--shard-index", "1", "--num-shards", "2")
+    train = start(rfile, tmp_path, "train1", "train")
+    wait_for(w1, tmp_path / "extract-w1.log", "a full window",
+             lambda: time.sleep(0.2) or "window full" in (tmp_path / "extract-w1.log").read_text(), timeout=600)
+    w0 = start(rfile, tmp_path, "extract-w0", "extract", "--shard-index", "0", "--num-shards", "2")
+    for name, p in (("extract-w1", w1), ("extract-w0", w0), ("train1", train)):
+        assert p.wait(timeout=900) == 0, (name, (tmp_path / f"{name}.log").read_text()[-3000:])
+    _nothing_lost_nothing_twice(recipe, tmp_path, set(), ["extract-w0", "extract-w1"], ["train1"])
 
 
 def test_streaming_over_an_extraction_made_in_stored_mode_is_refused_in_one_line(tiny_recipe, tmp_path):

@@ -311,7 +311,7 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
 
 
 def shard_plan(recipe: Recipe, worker: ShardWorker, rows: list[Row], bpt: int
-               ) -> tuple[list[list[Row]], list[tuple[str, list[Row]]], Callable[[int], None]]:
+               ) -> tuple[list[list[Row]], list[tuple[str, list[Row]]], Callable[[str, int], None]]:
     """This worker's shards, the (name, rows) still to commit, and what to do before computing one.
 
     Stored: the worker's rows by length. Stream: the stream's order (eagle_jobs.stream), skipping
@@ -319,7 +319,7 @@ def shard_plan(recipe: Recipe, worker: ShardWorker, rows: list[Row], bpt: int
     """
     if recipe.train.source != "stream":
         plan = plan_shards(worker.owned(rows), bpt, recipe.extract.shard_bytes)
-        return plan, [(worker.shard_name(k), s) for k, s in worker.todo(plan)], lambda _b: None
+        return plan, [(worker.shard_name(k), s) for k, s in worker.todo(plan)], lambda _n, _b: None
     from eagle_jobs import stream
 
     passes = recipe.train.epochs if recipe.train.later_epochs == "re-extract" else 1
@@ -329,14 +329,14 @@ def shard_plan(recipe: Recipe, worker: ShardWorker, rows: list[Row], bpt: int
     done = stream.consumed(store, run_id)
     todo = [(s.name, [by_id[i] for i in s.row_ids]) for s in shards
             if s.name not in done and not worker.stage.is_committed(s.name)]
-    window = recipe.store.window_bytes or 0
-    return ([[by_id[i] for i in s.row_ids] for s in shards], todo,
-            lambda nbytes: stream.wait_for_window(store, run_id, window, nbytes))
+    order = stream.stream_order(rows, bpt, recipe.extract.shard_bytes, worker.count, passes)
+    window = stream.Window(store, run_id, recipe.store.window_bytes or 0, [s.name for s in order])
+    return [[by_id[i] for i in s.row_ids] for s in shards], todo, window.wait
 
 
 def _extract_shards(recipe, worker: ShardWorker, todo: list[tuple[str, list[Row]]],
                     make_extractor: Callable[[], HiddenStateBackend], layer_ids, hidden, skipped_all, index,
-                    reused, before_shard: Callable[[int], None]) -> None:
+                    reused, before_shard: Callable[[str, int], None]) -> None:
     """Compute shard k+1 while shard k is packed and uploaded in the background."""
     from eagle_jobs.reuse import ids_sha256
 
@@ -346,7 +346,7 @@ def _extract_shards(recipe, worker: ShardWorker, todo: list[tuple[str, list[Row]
     try:
         with stage_progress("extract", sum(len(s) for _, s in todo), "rows") as advance:
             for name, rows in todo:
-                before_shard(sum(len(r["input_ids"]) for r in rows) * bytes_per_token(
+                before_shard(name, sum(len(r["input_ids"]) for r in rows) * bytes_per_token(
                     len(layer_ids), hidden, recipe.extract.storage_dtype))
                 got, fresh = Extracted({}, {}), []
                 for r in rows:

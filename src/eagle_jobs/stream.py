@@ -9,7 +9,7 @@ finished with (issue 22). The layer below extract and train, which never import 
 - training marks a shard consumed (`<run>/stream/consumed/<shard>.json`) once a committed
   checkpoint is past its last sample, and in re-extract mode deletes its data then: a restarted
   trainer resumes at that checkpoint and never needs a deleted shard;
-- extraction pauses while the committed, unconsumed shards fill the window (`wait_for_window`),
+- extraction pauses while the committed, unconsumed shards fill the window (`Window.wait`),
   and a restarted extractor skips consumed shards as it skips committed ones.
 
 The window's budget, W = store.window_bytes, so that neither side waits on the other for ever:
@@ -93,7 +93,8 @@ def check_window(window: int, step_bytes: int) -> None:
     """Training: one optimizer step's states (all ranks) must be at most an eighth of the window."""
     if window < GROUP_SHARE * step_bytes:
         raise BadInput(f"store.window_bytes {window:,} is below {GROUP_SHARE} x one step's states ({step_bytes:,} "
-                       "bytes: train.total_seq_len x bytes per token x ranks): raise the window or lower total_seq_len")
+                       "bytes: the longer of train.total_seq_len and limits.max_seq_len, x bytes per token x ranks): "
+                       "raise the window")
 
 
 def num_workers_of(shard: str) -> int:
@@ -134,13 +135,13 @@ def is_validation(manifest: dict) -> bool:
     return bool(manifest["samples"]) and all(e["split"] == "validation" for e in manifest["samples"])
 
 
-def live_bytes(store: Store, run_id: str) -> int:
-    """Bytes of committed training shards training has not finished with: what the window bounds.
-    The validation shards (the held-out split, read by every epoch's validation) come on top."""
-    done = consumed(store, run_id)
-    return sum(sum(f["size"] for f in m["files"].values())
-               for m in Stage(store, run_id, StageName.EXTRACT.dir).manifests()
-               if m["shard"] not in done and not is_validation(m))
+def waiting_key(run_id: str) -> str:
+    return f"{run_id}/{STREAM}/training-waits.json"
+
+
+def mark_waiting(store: Store, run_id: str, shard: str) -> None:
+    """Training: the shard it is blocked on (a stale mark names a committed shard, and lets nothing through)."""
+    store.put_json(waiting_key(run_id), {"shard": shard, "at": time.time()})
 
 
 def stored_bytes(store: Store, run_id: str) -> int:
@@ -155,17 +156,45 @@ def stored_bytes(store: Store, run_id: str) -> int:
     return total
 
 
-def wait_for_window(store: Store, run_id: str, window: int, next_bytes: int,
-                    say: Callable[[str], None] = console.print) -> None:
-    """Extraction: block while committing `next_bytes` more would put the window over."""
-    started, last = time.monotonic(), None
-    while (live := live_bytes(store, run_id)) and live + next_bytes > window:
-        now = time.monotonic()
-        if last is None or now - last >= REPORT_S:
-            say(f"  window full: {mib(live)} of {mib(window)} not yet trained on; "
-                f"waiting for training ({now - started:.0f} s)")
-            last = now
-        time.sleep(POLL_S)
+class Window:
+    """Extraction's side of the window: waits while committing the next shard would put the committed,
+    unconsumed training shards over `window` bytes, unless training is blocked on that shard or a later
+    one. With several extraction workers the shards do not commit in the stream's order: workers that
+    started earlier can fill the window with shards training cannot use yet, and the worker holding the
+    shard training needs must still commit it (peak: the window plus that shard, one per worker)."""
+
+    def __init__(self, store: Store, run_id: str, window: int, order: Sequence[str]):
+        self.store, self.run_id, self.window = store, run_id, window
+        self.stage = Stage(store, run_id, StageName.EXTRACT.dir)
+        self.position = {name: i for i, name in enumerate(order)}
+        self._sizes: dict[str, int] = {}  # a committed manifest never changes: each is read once
+
+    def live(self) -> int:
+        """Bytes of committed training shards training has not finished with (validation shards are kept
+        for every epoch's validation, on top of the window)."""
+        names = [k.rsplit("/", 1)[1].removesuffix(".json") for k in self.store.list(self.stage.key("manifests"))]
+        for n in names:
+            if n not in self._sizes and (m := self.stage.manifest(n)) is not None:
+                self._sizes[n] = 0 if is_validation(m) else sum(f["size"] for f in m["files"].values())
+        done = consumed(self.store, self.run_id)
+        return sum(self._sizes.get(n, 0) for n in names if n not in done)
+
+    def needed(self, shard: str) -> bool:
+        try:
+            blocked = self.store.get_json(waiting_key(self.run_id))["shard"]
+        except FileNotFoundError:
+            return False
+        return blocked in self.position and self.position[shard] <= self.position[blocked]
+
+    def wait(self, shard: str, nbytes: int, say: Callable[[str], None] = console.print) -> None:
+        started, last = time.monotonic(), None
+        while (live := self.live()) and live + nbytes > self.window and not self.needed(shard):
+            now = time.monotonic()
+            if last is None or now - last >= REPORT_S:
+                say(f"  window full: {mib(live)} of {mib(self.window)} not yet trained on; "
+                    f"waiting for training ({now - started:.0f} s)")
+                last = now
+            time.sleep(POLL_S)
 
 
 # -- a failure on one side, seen by the other ------------------------------------------------

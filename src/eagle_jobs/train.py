@@ -475,7 +475,8 @@ class TrainData:
         order = stream.stream_order(list(rows.values()), bpt, recipe.extract.shard_bytes,
                                     first_worker_count(store, run_id), t.epochs if reextract else 1)
         window = recipe.store.window_bytes or 0
-        stream.check_window(window, t.total_seq_len * bpt * get_dp_size())
+        # a step packs samples clipped to total_seq_len, but reads them whole from the store
+        stream.check_window(window, max(t.total_seq_len, recipe.limits.max_seq_len) * bpt * get_dp_size())
         groups = stream_groups([s for s in order if s.split == "train" and s.pass_index == 0],
                                window // stream.GROUP_SHARE)
         items: dict[str, list] = {"train": [], "validation": []}

@@ -129,6 +129,8 @@ def wait_committed(store: Store, run_id: str, shard: str, order: list[str]) -> d
     pos, started, last = order.index(shard), time.monotonic(), None
     while (m := stage.manifest(shard)) is None:
         stream.check_not_failed(store, run_id)
+        if last is None:  # extraction lets the shard training is blocked on through a full window
+            stream.mark_waiting(store, run_id, shard)
         if stage.is_complete() and stage.manifest(shard) is None:
             raise BadInput(f"train: extraction of run '{run_id}' completed without shard {shard} of the stream "
                            "plan: were the rows or the recipe changed? rerun extract with this recipe")
@@ -160,7 +162,7 @@ class StreamBatchSampler(MultipackDistributedBatchSamplerV2):
 
     def _order(self, epoch: int) -> np.ndarray:
         rng = np.random.default_rng(self.seed + epoch)
-        return np.concatenate([rng.permutation(np.asarray(g, dtype=int)) for g in self.groups if g])
+        return np.concatenate([rng.permutation(np.asarray(g, dtype=int)) for g in self.groups])
 
     def _packed(self, order: np.ndarray, rank: int) -> list[np.ndarray]:
         return _assign_to_packed_batches(self.lengths[order], self.batch_max_length, rank, self.num_replicas)
@@ -179,11 +181,11 @@ class StreamBatchSampler(MultipackDistributedBatchSamplerV2):
         the next run of the order across all ranks, so everything up to the furthest position is read."""
         if self._done_after[0] != epoch:
             order = self._order(epoch)
-            group_end = np.cumsum([len(g) for g in self.groups if g])  # position after each group
+            group_end = np.cumsum([len(g) for g in self.groups])  # after each group (an empty one: its neighbour's)
             per_rank = [[max(b, default=-1) for b in self._packed(order, r)] for r in range(self.num_replicas)]
             furthest = np.maximum.accumulate(np.max(np.array(per_rank), axis=0))  # after step j+1
             self._done_after = (epoch, np.searchsorted(group_end, furthest + 1, side="right"))
         done = self._done_after[1]
         if steps >= len(done):
-            return len([g for g in self.groups if g])  # the epoch's end: the dropped tail is done too
+            return len(self.groups)  # the epoch's end: the dropped tail, and any empty group, are done too
         return int(done[steps - 1]) if steps > 0 else 0
