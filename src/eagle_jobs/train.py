@@ -517,10 +517,14 @@ def first_worker_count(store: Store, run_id: str) -> int:
     from eagle_jobs.train_data import wait_committed
 
     stage = Stage(store, run_id, StageName.EXTRACT.dir)
+    started, last = time.monotonic(), None
     while not (keys := stage.store.list(stage.key("manifests"))):
         stream.check_not_failed(store, run_id)
-        console.print("  stream: waiting for extraction's first shard", markup=False)
-        time.sleep(stream.REPORT_S / 6)
+        now = time.monotonic()
+        if last is None or now - last >= stream.REPORT_S:  # a verifier can take an hour to load
+            console.print(f"  stream: waiting for extraction's first shard ({now - started:.0f} s)", markup=False)
+            last = now
+        time.sleep(stream.POLL_S)
     first = keys[0].rsplit("/", 1)[1].removesuffix(".json")
     wait_committed(store, run_id, first, [first])
     return stream.num_workers_of(first)
