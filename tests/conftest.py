@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import re
 import socket
@@ -188,15 +190,13 @@ REAL_VLLM = {str(Path(sys.executable).parent / "vllm"), "eagle_jobs.vllm_cpu"}
 
 # What trains a draft: a test whose body, or a fixture it uses, calls one of these (read from the source,
 # so a new training test is in the `train` tier without anyone remembering to mark it).
-TRAINS = re.compile(r"\brun_train\(|\brun_pipeline\(|\brun_compare\(|torch\.distributed\.run|"
+TRAINS = re.compile(r"\brun_train\(|\brun_pipeline\(|\brun_streamed\(|\brun_compare\(|torch\.distributed\.run|"
+                    r"\bspied_pod_main\(|"
                     r"[\"']train[\"'],\s*[\"']--recipe|[\"'](run|compare)[\"'],\s*[\"']--recipe")
 
 
 def _trains(item) -> bool:
     """The test's body, its fixtures', or a helper of its module they call (transitively) trains."""
-    import ast
-    import inspect
-
     funcs = [getattr(item, "function", None)]
     for defs in getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).values():
         funcs += [d.func for d in defs]
@@ -207,20 +207,31 @@ def _trains(item) -> bool:
         if f is None or f in seen:
             continue
         seen.add(f)
-        try:
-            src = inspect.getsource(f)
-        except (OSError, TypeError):
-            continue
-        if TRAINS.search(src):
+        trains, called = _scan(f)
+        if trains:
             return True
-        try:
-            called = {n.func.id for n in ast.walk(ast.parse(inspect.cleandoc(src) if src[0].isspace() else src))
-                      if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
-        except SyntaxError:
-            continue
         funcs += [h for name in called if inspect.isfunction(h := getattr(module, name, None))
                   and h.__module__ == getattr(module, "__name__", None)]
     return False
+
+
+@functools.cache
+def _scan(f) -> tuple[bool, frozenset[str]]:
+    """Whether f's source trains, and the plain names it calls (parsed once per function: collection
+    asks this for every parameter of every test)."""
+    import ast
+
+    try:
+        src = inspect.getsource(f)
+    except (OSError, TypeError):
+        return False, frozenset()
+    if TRAINS.search(src):
+        return True, frozenset()
+    try:
+        tree = ast.parse(inspect.cleandoc(src) if src[0].isspace() else src)
+    except SyntaxError:
+        return False, frozenset()
+    return False, frozenset(n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name))
 
 
 def pytest_collection_modifyitems(config, items):

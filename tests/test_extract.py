@@ -210,9 +210,10 @@ def test_vllm_serve_arguments(tiny_recipe, tmp_path):
     import json
 
     from eagle_jobs import vllm_cpu
+    from eagle_jobs.serve_plans import extract_args
 
     recipe = tiny_recipe(extract={"scratch_dir": str(tmp_path)})
-    args = ex_mod.serve_args(recipe, "r", 1)
+    args = extract_args(recipe, "r", 1)
     spec = json.loads(args[args.index("--speculative-config") + 1])
     assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3, 4]
@@ -222,7 +223,7 @@ def test_vllm_serve_arguments(tiny_recipe, tmp_path):
     assert "--no-enable-chunked-prefill" in args
     # fp8 storage: vLLM still writes the model dtype, and only the shard encoder quantises (once, per
     # token and layer); hs-connectors' fp8 connector would quantise per token over all layers first
-    fp8 = ex_mod.serve_args(tiny_recipe(extract={"storage_dtype": "fp8", "scratch_dir": str(tmp_path)}), "r", 1)
+    fp8 = extract_args(tiny_recipe(extract={"storage_dtype": "fp8", "scratch_dir": str(tmp_path)}), "r", 1)
     assert fp8 == args
 
 

@@ -546,6 +546,27 @@ def test_vllm_pods_prepare_then_exec_the_command_for_the_first_and_last_index(re
                 assert kv["kv_connector_extra_config"]["shared_storage_path"].endswith(f"-{index}")
 
 
+def test_the_prepare_container_builds_every_plan_without_torch_or_transformers(tmp_path, monkeypatch):
+    """`serve-vllm --write` runs before vLLM may start in every vLLM pod: it builds the stage's plan
+    (eagle_jobs.serve_plans) without importing torch or transformers (seconds of start-up each)."""
+    code = f"""
+import sys
+from pathlib import Path
+from eagle_jobs.recipe import Recipe
+from eagle_jobs.serve_plans import capture_plan, evaluate_plan, extract_plan
+r = Recipe.model_validate({{"name": "x", "verifier": {{"model": "m", "num_layers": 8}}, "aux_layer_ids": [1, 4, 6],
+                           "prompts": {{"source": "pypi://sharegpt"}},
+                           "chat": {{"reasoning_parser": "kimi_k2"}}, "extract": {{"scratch_dir": {str(tmp_path)!r}}}}})
+plans = [capture_plan(r), extract_plan(r, "run", 3), evaluate_plan(r, Path("/d")), evaluate_plan(r, None)]
+assert plans[0].stage_args == ("--reasoning-parser", "kimi_k2") and plans[3].stage_args == ()
+import eagle_jobs.cli, eagle_jobs.committed
+print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]"
+
+
 @pytest.mark.parametrize("overlay", ["smoke", "full"])
 def test_a_bad_recipe_fails_the_prepare_container_and_the_job(rendered, overlay, tmp_path):
     """A check that fails before vLLM starts exits 3 in a regular init container: the pod fails, and

@@ -27,6 +27,7 @@ from eagle_jobs.capture import run_capture
 from eagle_jobs.committed import download_final, extraction_info, read_rows, read_sample
 from eagle_jobs.extract import run_extract
 from eagle_jobs.recipe import Recipe
+from eagle_jobs.serve_plans import evaluate_plan
 from eagle_jobs.store import Store
 
 # The real engine runs wherever `make venv` could install it: Linux x86-64 (CI included).
@@ -183,12 +184,11 @@ def test_extract_stage_serves_with_its_own_arguments_and_matches_transformers(ch
 
 @pytest.fixture(scope="module")
 def eagle3_server(smollm2_chain):
-    from eagle_jobs import evaluate
     from eagle_jobs.vllm_server import vllm_endpoint
 
     recipe, st, root = smollm2_chain
     draft = download_final(st, "r", root / "draft")
-    with vllm_endpoint(evaluate.serve_plan(recipe, draft)) as base:
+    with vllm_endpoint(evaluate_plan(recipe, draft)) as base:
         yield base, draft
 
 
@@ -267,7 +267,6 @@ def test_eagle3_on_the_mla_verifier_is_what_vllm_cpu_cannot_serve(kimi_chain, tm
     attention (multiples of 32) take, so EAGLE-3 over Kimi cannot start here; the draft is fine (it
     trains, exports, passes inspect, and the transformers loop evaluates it). When a vllm-cpu lifts
     this, this test fails: then serve it and compare tau as for SmolLM2."""
-    from eagle_jobs import evaluate
     from eagle_jobs.errors import ExitCode, Unavailable
     from eagle_jobs.checkpoint_check import run_inspect
     from eagle_jobs.vllm_server import vllm_endpoint
@@ -277,7 +276,7 @@ def test_eagle3_on_the_mla_verifier_is_what_vllm_cpu_cannot_serve(kimi_chain, tm
     assert run_inspect(str(draft)) == ExitCode.OK
     log = tmp_path / "server.log"  # where vllm_endpoint sends the server's output
     with pytest.raises(Unavailable, match="exited with code"):
-        with vllm_endpoint(evaluate.serve_plan(recipe, draft), log=log):
+        with vllm_endpoint(evaluate_plan(recipe, draft), log=log):
             pass
     assert "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])" in log.read_text()
 

@@ -25,9 +25,9 @@ from eagle_jobs.prompts import Conversation, check_rejects, read_prompts
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.records import Advance, Row
 from eagle_jobs.sampling import ServedSampling, effective, request_fields
+from eagle_jobs.serve_plans import capture_plan
 from eagle_jobs.sharding import ShardWorker, chunked
 from eagle_jobs.store import Stage, Store
-from eagle_jobs.vllm_server import ServePlan
 
 STAGE = StageName.CAPTURE.dir
 
@@ -75,19 +75,6 @@ def parse_reasoning(text: str, parser: str | None, thinking: bool = True) -> tup
     if text.lstrip().startswith(start) or thinking:
         return text.split(start, 1)[-1].strip(), ""
     return None, text.strip()
-
-
-def serve_plan(recipe: Recipe) -> ServePlan:
-    """capture's `vllm serve`: the recipe's capture.vllm, the verifier, and serve_args."""
-    return ServePlan(recipe.capture.vllm, recipe.verifier, tuple(serve_args(recipe)))
-
-
-def serve_args(recipe: Recipe) -> list[str]:
-    """What capture adds to `vllm serve`: the recipe's reasoning parser, unless serve_args name one."""
-    parser = recipe.chat.reasoning_parser
-    if parser is None or "--reasoning-parser" in recipe.capture.vllm.serve_args:
-        return []
-    return ["--reasoning-parser", parser]
 
 
 def make_row(recipe: Recipe, t: Turn, g: Generation) -> Row:
@@ -385,7 +372,7 @@ def run_capture(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
 
             needs_server = any(index.rows_for(c.sha) is None for _k, chunk in todo for c in chunk)
             if needs_server:
-                with vllm_endpoint(serve_plan(recipe), log=server_log(run_id, f"capture-{idx}")) as base:
+                with vllm_endpoint(capture_plan(recipe), log=server_log(run_id, f"capture-{idx}")) as base:
                     _capture_shards(recipe, worker, todo, lambda: VllmBackend(recipe, base), totals, index)
             else:
                 _capture_shards(recipe, worker, todo, lambda: None, totals, index)

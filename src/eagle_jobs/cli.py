@@ -342,10 +342,10 @@ def serve_vllm(recipe: RecipeOpt,
     In a pod, `--write` runs in a regular init container: every check that can fail (recipe, store,
     the draft's download) fails there, with its exit code, before vLLM's restartable sidecar starts.
     """
-    from eagle_jobs.pipeline import stage_serve_plan
+    from eagle_jobs.serve_plans import stage_plan
 
     r, st, rid = _context(recipe, store, run_id)
-    plan = stage_serve_plan(r, stage, st, rid, shard_index)
+    plan = stage_plan(r, stage, st, rid, shard_index)
     cmd = plan.command()
     env = {k: v for k, v in plan.env(os.environ).items() if os.environ.get(k) != v}
     if dry_run:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from eagle_jobs.errors import BadInput, NotReady
 from eagle_jobs.layout import StageName, train_dir
 from eagle_jobs.records import Row
@@ -54,10 +52,14 @@ def read_sample_bytes(store: Store, run_id: str, fname: str, entry: dict) -> byt
     return store.get(key, entry["start"], entry["start"] + entry["length"])
 
 
-def read_sample(store: Store, run_id: str, manifest: dict, entry: dict, dtype=torch.bfloat16) -> dict:
-    """One decoded hidden-state sample of a shard's manifest."""
+def read_sample(store: Store, run_id: str, manifest: dict, entry: dict, dtype=None) -> dict:
+    """One decoded hidden-state sample of a shard's manifest, as dtype (default bfloat16). torch is
+    imported here, not above: the pod's prepare container reads the final draft through this module."""
+    import torch
+
     from eagle_jobs.hsformat import decode_sample
 
+    dtype = torch.bfloat16 if dtype is None else dtype
     (fname,) = manifest["files"]
     return decode_sample(read_sample_bytes(store, run_id, fname, entry), entry, dtype)
 

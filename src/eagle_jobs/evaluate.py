@@ -34,8 +34,8 @@ from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.prompts import load_prompts
 from eagle_jobs.recipe import PromptSpec, Recipe
 from eagle_jobs.records import EvalReport, PromptSetResult, SpeedLevel, SpeedTable, TimedPass
+from eagle_jobs.serve_plans import evaluate_plan
 from eagle_jobs.store import Stage, Store
-from eagle_jobs.vllm_server import ServePlan
 
 STAGE = StageName.EVALUATE.dir
 
@@ -315,19 +315,6 @@ def parse_spec_metrics(text: str) -> dict:
     return out
 
 
-def serve_plan(recipe: Recipe, draft_dir: Path | None) -> ServePlan:
-    """evaluate's `vllm serve`: the recipe's evaluate.vllm and the verifier, with the draft (serve_args)
-    or, for the speed baseline, without one."""
-    return ServePlan(recipe.evaluate.vllm, recipe.verifier, tuple(serve_args(recipe, draft_dir)) if draft_dir else ())
-
-
-def serve_args(recipe: Recipe, draft_dir: Path) -> list[str]:
-    """What evaluate adds to `vllm serve`: the draft, as EAGLE-3 speculative decoding."""
-    spec = {"method": "eagle3", "model": str(draft_dir),
-            "num_speculative_tokens": recipe.evaluate.num_speculative_tokens}
-    return ["--speculative-config", json.dumps(spec)]
-
-
 def evaluate_vllm(recipe: Recipe, draft_dir: Path, prompts: list[list[dict]]) -> dict:
     return evaluate_vllm_sets(recipe, draft_dir, {"prompts": prompts})["prompts"]
 
@@ -355,7 +342,7 @@ def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[lis
 
     k = recipe.evaluate.num_speculative_tokens
     out: dict[str, dict] = {}
-    with vllm_endpoint(serve_plan(recipe, draft_dir)) as base:
+    with vllm_endpoint(evaluate_plan(recipe, draft_dir)) as base:
         model = served_model(base)
         # timed before the τ pass, so that neither this server nor the one without a draft has seen the
         # timed prompts before (vLLM's prefix cache would shorten their prefill on one side only)
@@ -465,7 +452,7 @@ def speed_without_draft(recipe: Recipe, sets: dict[str, list[list[dict]]]) -> di
     from --speculative-config) and has no request field or batch-size rule that turns it off."""
     from eagle_jobs.vllm_server import vllm_endpoint
 
-    with vllm_endpoint(serve_plan(recipe, None)) as base:
+    with vllm_endpoint(evaluate_plan(recipe, None)) as base:
         return measure_speed(recipe, base, served_model(base), sets, "without a draft")
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import json
 import os
 import time
 from collections.abc import Callable
@@ -20,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from eagle_jobs import vllm_cpu
 from eagle_jobs.committed import read_rows, read_sample
 from eagle_jobs.draft import check_aux_ids, stored_layer_ids
 from eagle_jobs.errors import Unavailable
@@ -29,10 +27,10 @@ from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.records import Advance, Extracted, HiddenStateBackend, Row, RowStates, Skipped
+from eagle_jobs.serve_plans import extract_plan, extract_scratch
 from eagle_jobs.sharding import ShardWorker, plan_shards
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.verifier import load_config, text_config
-from eagle_jobs.vllm_server import ServePlan
 
 STAGE = StageName.EXTRACT.dir
 
@@ -236,36 +234,6 @@ def sweep_scratch(scratch: Path) -> int:
     return removed
 
 
-def serve_plan(recipe: Recipe, run_id: str, worker: int) -> ServePlan:
-    """extract's `vllm serve` for one worker: the recipe's extract.vllm, the verifier, and serve_args."""
-    return ServePlan(recipe.extract.vllm, recipe.verifier, tuple(serve_args(recipe, run_id, worker)))
-
-
-def serve_args(recipe: Recipe, run_id: str, worker: int) -> list[str]:
-    """What extract adds to `vllm serve`: vLLM's extract_hidden_states with a connector writing to scratch.
-
-    Always bf16 from vLLM (the model dtype): with storage_dtype fp8 the shard encoder quantises once,
-    per token and layer. hs-connectors' fp8 connector would quantise first with one scale per token
-    over all layers, and ours would quantise again.
-    """
-    from eagle_jobs.verifier import num_layers
-
-    layer_ids = stored_layer_ids(recipe.aux_layer_ids, recipe.verifier.num_layers or num_layers(recipe.verifier))
-    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
-    kv = {**vllm_cpu.hidden_states_connector(), "kv_role": "kv_producer",
-          "kv_connector_extra_config": {"shared_storage_path": str(scratch_dir(recipe, run_id, worker))}}
-    return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
-            "--no-enable-chunked-prefill"]
-
-
-def scratch_dir(recipe: Recipe, run_id: str, worker: int) -> Path:
-    """Where vLLM's connector writes and this worker reads (shared with the vLLM sidecar)."""
-    p = Path(recipe.extract.scratch_dir) / f"{run_id}-{worker}"
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
 def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | None = None,
                 num_shards: int | None = None) -> dict:
     tcfg = text_config(load_config(recipe.verifier))
@@ -293,10 +261,10 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
         else:
             from eagle_jobs.vllm_server import server_log, vllm_endpoint
 
-            scratch = scratch_dir(recipe, run_id, idx)
+            scratch = extract_scratch(recipe, run_id, idx)
             if swept := sweep_scratch(scratch):
                 console.print(f"  removed {swept} hidden-state files an earlier attempt left in {scratch}")
-            with vllm_endpoint(serve_plan(recipe, run_id, idx), log=server_log(run_id, f"extract-{idx}")) as base:
+            with vllm_endpoint(extract_plan(recipe, run_id, idx), log=server_log(run_id, f"extract-{idx}")) as base:
                 _extract_shards(recipe, worker, todo, lambda: VllmExtractor(recipe, base, scratch),
                                 layer_ids, hidden, skipped, index, reused, before_shard)
     if reused[0]:

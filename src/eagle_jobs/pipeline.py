@@ -12,28 +12,6 @@ from eagle_jobs.layout import STAGES, STREAM, StageName, epochs_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.store import Stage, Store
-from eagle_jobs.vllm_server import ServePlan
-
-
-def stage_serve_plan(recipe: Recipe, stage: str, store: Store, run_id: str,
-                     shard_index: int | None = None) -> ServePlan:
-    """The `vllm serve` plan of one stage, as the stage itself would start it (the pod's sidecar)."""
-    import os
-    from pathlib import Path
-
-    from eagle_jobs import capture, evaluate, extract
-    from eagle_jobs.committed import download_final
-    from eagle_jobs.sharding import worker_index
-    if stage == "capture":
-        return capture.serve_plan(recipe)
-    if stage == "extract":
-        # the worker's scratch needs only its index: the sidecar is not told the shard count
-        idx = worker_index(shard_index)
-        return extract.serve_plan(recipe, run_id, idx)
-    if stage == "evaluate":
-        draft = download_final(store, run_id, Path(os.environ.get("EAGLE_JOBS_WORK_DIR", "/tmp")) / "draft")
-        return evaluate.serve_plan(recipe, draft)
-    raise BadInput(f"serve-vllm --stage {stage}: choose capture, extract or evaluate")
 
 
 def select_by_served(recipe: Recipe, store: Store, run_id: str) -> tuple[str, str, str, str]:

@@ -54,7 +54,7 @@ def wait_healthy(base: str, timeout_s: float, proc: subprocess.Popen | None = No
 @dataclass(frozen=True)
 class ServePlan:
     """One stage's `vllm serve`: the recipe's server section, the verifier, and the arguments the stage
-    adds (its `serve_args`). Each stage builds its plan in one function; the stage's own subprocess
+    adds. eagle_jobs.serve_plans builds every stage's plan; the stage's own subprocess
     (vllm_endpoint) and the pod's sidecar (`eagle-jobs serve-vllm`) both run exactly this."""
 
     spec: VllmServerSpec

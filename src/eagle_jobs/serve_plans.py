@@ -1,0 +1,91 @@
+"""Every stage's `vllm serve` plan, built in one place (below the stages).
+
+A plan is the recipe's server section for the stage, the verifier, and what the stage adds to
+`vllm serve` (its `serve_args`), as a `vllm_server.ServePlan` with its command and environment.
+The stage's own server runs it on CPU; in a pod, the prepare init container (`eagle-jobs serve-vllm
+--write`) builds the same plan for the vLLM sidecar. Building a plan imports neither torch nor
+transformers (unless the recipe leaves the verifier's layer count to its config), so a pod's
+prepare container does not pay for them before vLLM can start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from eagle_jobs import vllm_cpu
+from eagle_jobs.draft import stored_layer_ids
+from eagle_jobs.errors import BadInput
+from eagle_jobs.recipe import Recipe
+from eagle_jobs.store import Store
+from eagle_jobs.vllm_server import ServePlan
+
+
+def capture_plan(recipe: Recipe) -> ServePlan:
+    """capture: the recipe's capture.vllm and the verifier, with the recipe's reasoning parser unless
+    capture.vllm.serve_args name one."""
+    parser = recipe.chat.reasoning_parser
+    if parser is None or "--reasoning-parser" in recipe.capture.vllm.serve_args:
+        return ServePlan(recipe.capture.vllm, recipe.verifier, ())
+    return ServePlan(recipe.capture.vllm, recipe.verifier, ("--reasoning-parser", parser))
+
+
+def extract_args(recipe: Recipe, run_id: str, worker: int) -> list[str]:
+    """What extract adds to `vllm serve`: vLLM's extract_hidden_states with a connector writing to scratch.
+
+    Always bf16 from vLLM (the model dtype): with storage_dtype fp8 the shard encoder quantises once,
+    per token and layer. hs-connectors' fp8 connector would quantise first with one scale per token
+    over all layers, and ours would quantise again.
+    """
+    n_layers = recipe.verifier.num_layers
+    if n_layers is None:
+        from eagle_jobs.verifier import num_layers
+
+        n_layers = num_layers(recipe.verifier)
+    layer_ids = stored_layer_ids(recipe.aux_layer_ids, n_layers)
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
+    kv = {**vllm_cpu.hidden_states_connector(), "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": str(extract_scratch(recipe, run_id, worker))}}
+    return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
+            "--no-enable-chunked-prefill"]
+
+
+def extract_scratch(recipe: Recipe, run_id: str, worker: int) -> Path:
+    """Where vLLM's connector writes and the extract worker reads (shared with the vLLM sidecar)."""
+    p = Path(recipe.extract.scratch_dir) / f"{run_id}-{worker}"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def extract_plan(recipe: Recipe, run_id: str, worker: int) -> ServePlan:
+    """extract, for one worker: the recipe's extract.vllm, the verifier, and extract_args."""
+    return ServePlan(recipe.extract.vllm, recipe.verifier, tuple(extract_args(recipe, run_id, worker)))
+
+
+def evaluate_plan(recipe: Recipe, draft_dir: Path | None) -> ServePlan:
+    """evaluate: the recipe's evaluate.vllm and the verifier, with the draft as EAGLE-3 speculative
+    decoding, or, for the speed baseline (draft_dir None), without one."""
+    if draft_dir is None:
+        return ServePlan(recipe.evaluate.vllm, recipe.verifier, ())
+    spec = {"method": "eagle3", "model": str(draft_dir),
+            "num_speculative_tokens": recipe.evaluate.num_speculative_tokens}
+    return ServePlan(recipe.evaluate.vllm, recipe.verifier, ("--speculative-config", json.dumps(spec)))
+
+
+def stage_plan(recipe: Recipe, stage: str, store: Store, run_id: str, shard_index: int | None = None) -> ServePlan:
+    """The plan of one stage as the stage itself would start it: what a pod's vLLM sidecar runs."""
+    from eagle_jobs.sharding import worker_index
+
+    if stage == "capture":
+        return capture_plan(recipe)
+    if stage == "extract":
+        # the worker's scratch needs only its index: the sidecar is not told the shard count
+        return extract_plan(recipe, run_id, worker_index(shard_index))
+    if stage == "evaluate":
+        from eagle_jobs.committed import download_final
+
+        work = Path(os.environ.get("EAGLE_JOBS_WORK_DIR", "/tmp"))
+        return evaluate_plan(recipe, download_final(store, run_id, work / "draft"))
+    raise BadInput(f"serve-vllm --stage {stage}: choose capture, extract or evaluate")
