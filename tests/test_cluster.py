@@ -98,7 +98,7 @@ def test_submit_with_recipe_validates_it_first(kube, tmp_path):
         cluster.submit(REPO / "k8s/overlays/full", "r1", recipe_path=bad, kubeconfig=kc)
     assert not fake.requests  # nothing applied
     good = tmp_path / "good.yaml"
-    good.write_text((REPO / "jobs/kimi-k2.5.yaml").read_text().replace("epochs: 10", "epochs: 2"))
+    good.write_text((REPO / "jobs/kimi-k2.5.yaml").read_text().replace("epochs: 3", "epochs: 2"))
     cluster.submit(REPO / "k8s/overlays/full", "r1", recipe_path=good, kubeconfig=kc)
     assert "epochs: 2" in _configmap(fake, "eagle-jobs-recipe-r1-")["data"]["recipe.yaml"]
 

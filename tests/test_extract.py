@@ -19,6 +19,29 @@ def _captured(recipe, uri, run="r"):
     return st
 
 
+def test_auto_storage_is_fp8_above_the_recipes_size_and_bf16_below(tiny_recipe, tmp_path):
+    """extract.storage_dtype auto (the default): the corpus's bf16 size against extract.fp8_above_bytes,
+    resolved from the committed rows, recorded in the manifests, matched by reuse as the dtype it became."""
+    from eagle_jobs.hsformat import bytes_per_token, resolve_storage
+    from eagle_jobs.reuse import extract_digest
+
+    bf16 = tiny_recipe(extract={"shard_bytes": 10**9})
+    assert bf16.extract.storage_dtype == "auto"
+    st = _captured(bf16, f"file://{tmp_path}/s")
+    tokens = sum(len(r["input_ids"]) for r in read_rows(st, "r"))
+    size = tokens * bytes_per_token(4, 64, "bfloat16")
+    assert [resolve_storage("auto", tokens, 4, 64, n) for n in (size, size - 1)] == ["bfloat16", "fp8"]
+    assert resolve_storage("bfloat16", tokens, 4, 64, 1) == "bfloat16"  # a dtype the recipe names is kept
+    run_extract(bf16, st, "r")
+    assert extraction_info(st, "r")["storage"] == "bfloat16"
+    fp8 = tiny_recipe(extract={"shard_bytes": 10**9, "fp8_above_bytes": size - 1})
+    st8 = _captured(fp8, f"file://{tmp_path}/s8")
+    run_extract(fp8, st8, "r")
+    (m,) = extraction_info(st8, "r")["manifests"]
+    assert m["storage"] == "fp8" and m["settings_digest"] == extract_digest(fp8.with_storage("fp8"))
+    assert sum(e["length"] for e in m["samples"]) == sum(e["num_tokens"] for e in m["samples"]) * (4 * 64 + 4 * 4 + 9)
+
+
 def test_states_match_vllm_definition_and_reproduce_logits(tiny_recipe, store_uri):
     recipe = tiny_recipe()
     st = _captured(recipe, store_uri)

@@ -163,8 +163,13 @@ def test_pipeline_shape(rendered, overlay):
     rjs = js["spec"]["replicatedJobs"]
     assert [r["name"] for r in rjs] == ["mirror"] * MIRRORED[overlay] + STAGES
     assert rjs[0].get("dependsOn") is None
+    # a recipe that streams (full's) trains once extraction is Ready (components/stream); else in turn
+    recipe = yaml.safe_load(_configmaps(rendered[overlay])["eagle-jobs-recipe"]["recipe.yaml"])
+    streams = recipe.get("train", {}).get("source") == "stream"
     for prev, r in zip(rjs, rjs[1:]):
-        assert r["dependsOn"] == [{"name": prev["name"], "status": "Complete"}]
+        status = "Ready" if streams and r["name"] == "train" else "Complete"
+        assert r["dependsOn"] == [{"name": prev["name"], "status": status}], (overlay, r["name"])
+    assert streams == (overlay in ("full", "full-multinode"))
     assert js["spec"]["ttlSecondsAfterFinished"] > 0
     for st in STAGES:
         job = _job(js, st)
@@ -311,7 +316,7 @@ def test_overlays_hold_only_per_run_objects_with_hashed_configmaps(rendered, ove
 def test_another_recipe_is_another_configmap_so_a_running_jobset_keeps_its_own(rendered, tmp_path):
     """Applying the same overlay with an edited recipe creates a new ConfigMap (and the immutable JobSet
     refuses the changed template: a run is never switched to another recipe mid-run)."""
-    edited = (REPO / "jobs/kimi-k2.5.yaml").read_text().replace("epochs: 10", "epochs: 11")
+    edited = (REPO / "jobs/kimi-k2.5.yaml").read_text().replace("epochs: 3", "epochs: 4")
     assert edited != (REPO / "jobs/kimi-k2.5.yaml").read_text()
 
     def recipe_map(docs):

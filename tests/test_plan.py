@@ -21,13 +21,25 @@ def test_kimi_smoke_plan_from_the_recipe_alone():
     assert p["draft_parameters"]["trainable"] > 0.9e9 and p["draft_parameters"]["total"] > 2.3e9
 
 
+def _with(r, **sections):
+    return r.model_copy(update={k: getattr(r, k).model_copy(update=v) for k, v in sections.items()})
+
+
 def test_plan_scales_with_gpus_and_storage():
-    r = load_recipe(REPO / "jobs/kimi-k2.5.yaml")
-    one = r.model_copy(update={"train": r.train.model_copy(update={"nproc_per_node": 1})})
+    kimi = load_recipe(REPO / "jobs/kimi-k2.5.yaml")
+    r = _with(kimi, train={"source": "stored"}, extract={"storage_dtype": "bfloat16"})
+    one = _with(r, train={"nproc_per_node": 1})
     assert abs(make_plan(one)["stages"]["train"]["time_s"] / make_plan(r)["stages"]["train"]["time_s"] - 8) < 1e-6
-    fp8 = r.model_copy(update={"extract": r.extract.model_copy(update={"storage_dtype": "fp8"})})
+    fp8 = _with(r, extract={"storage_dtype": "fp8"})
     assert make_plan(fp8)["stages"]["extract"]["write_bytes"] < 0.51 * make_plan(r)["stages"]["extract"]["write_bytes"]
     assert make_plan(r)["stages"]["extract"]["objects"] > 100
+    # the recipe as written: fp8 (auto, far above 64 GiB), and streamed training waits on extraction's pass
+    p = make_plan(kimi)
+    assert p["storage"] == "fp8" and p["stages"]["extract"]["write_bytes"] == make_plan(fp8)["stages"]["extract"]["write_bytes"]
+    epoch = make_plan(_with(kimi, train={"source": "stored"}))["stages"]["train"]["time_s"] / kimi.train.epochs
+    assert p["stages"]["train"]["time_s"] == max(p["stages"]["extract"]["time_s"], epoch) + 2 * epoch
+    re = make_plan(_with(kimi, train={"later_epochs": "re-extract"}))
+    assert re["stages"]["extract"]["time_s"] == 3 * p["stages"]["extract"]["time_s"]
 
 
 def test_cli_plan_runs(capsys):

@@ -17,14 +17,17 @@ from eagle_jobs.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 KIMI = REPO / "jobs/kimi-k2.5.yaml"
-SCALES = [10_000, 100_000, 1_000_000]
-DOC_START, DOC_END = "<!-- eagle-jobs plan --recipe jobs/kimi-k2.5.yaml --scale 10000,100000,1000000 -->", \
+SCALES = [10_000, 100_000, 600_000, 1_000_000]  # 600 k: the recipe's own size (prompts.limit)
+DOC_START, DOC_END = "<!-- eagle-jobs plan --recipe jobs/kimi-k2.5.yaml --scale 10000,100000,600000,1000000 -->", \
     "<!-- end of plan --scale -->"
 
 
 @pytest.fixture(scope="module")
 def kimi():
-    r = load_recipe(KIMI)
+    """The Kimi recipe on a fixed basis for the arithmetic below (bf16 states, 10 epochs, no window of its
+    own), so the checks do not move with the recipe's sizing; the doc and comment tests read it as it is."""
+    r = _with(load_recipe(KIMI), extract={"storage_dtype": "bfloat16"}, train={"epochs": 10},
+              store={"window_bytes": None})
     return r, scale_basis(r, make_plan(r))  # make_plan imports transformers: once per module
 
 
@@ -41,10 +44,10 @@ def _with(recipe, **sections):
 
 def test_bytes_are_tokens_times_bytes_per_token(kimi):
     r, b = kimi
-    assert b.bytes_per_token == bytes_per_token(len(r.aux_layer_ids) + 1, 7168, "bfloat16") == 4 * 7168 * 2 + 9
+    assert b.bytes_per_token["bfloat16"] == bytes_per_token(len(r.aux_layer_ids) + 1, 7168, "bfloat16") == 4 * 7168 * 2 + 9
     for (n, mode), row in _rows(kimi).items():
         assert row["tokens"] == n * 2560  # the kimi recipe's bound: 512 prompt + 2,048 answer tokens
-        assert row["corpus_bytes"] == row["tokens"] * b.bytes_per_token
+        assert row["corpus_bytes"] == row["tokens"] * b.bytes_per_token["bfloat16"]
         assert row["traffic_bytes"] == row["written_bytes"] + row["read_bytes"]
 
 
@@ -156,7 +159,7 @@ def test_a_plan_section_in_a_recipe_is_named_as_the_source(tmp_path):
 
 
 def test_parse_scales():
-    assert parse_scales("10000,100000,1000000") == parse_scales("10k, 100K,1M") == SCALES
+    assert parse_scales("10000,100000,1000000") == parse_scales("10k, 100K,1M") == [10_000, 100_000, 1_000_000]
     for bad in ("", "10x", "-5", "0", "1.5M"):
         with pytest.raises(ValueError, match="conversation count"):
             parse_scales(bad)
@@ -194,18 +197,35 @@ def test_json_form_is_the_table(kimi):
     table = json.loads(out.stdout)
     assert [(row["conversations"], row["mode"]) for row in table["rows"]] == \
         [(n, m) for n in (10_000, 1_000_000) for m in SCALE_MODES]
-    assert scale_markdown(table) == scale_markdown(scale_table(kimi[0], [10_000, 1_000_000]))
+    assert scale_markdown(table) == scale_markdown(scale_table(load_recipe(KIMI), [10_000, 1_000_000]))
+
+
+def test_auto_storage_prices_each_corpus_in_the_dtype_extraction_would_store(kimi):
+    """extract.storage_dtype auto: a corpus above extract.fp8_above_bytes in bf16 is priced (and stored) as
+    fp8, a smaller one as bf16; a recipe that names a dtype is priced in it at every size."""
+    r = load_recipe(KIMI)
+    assert r.extract.storage_dtype == "auto"
+    b = scale_basis(r, make_plan(r))
+    small, large = price_mode(b, 10, "stored"), price_mode(b, 10_000, "stored")
+    assert small["corpus_bytes"] < r.extract.fp8_above_bytes < large["corpus_bytes"]
+    assert (small["storage"], large["storage"]) == ("bfloat16", "fp8")
+    assert large["corpus_bytes"] == large["tokens"] * bytes_per_token(4, 7168, "fp8")
+    assert {row["storage"] for row in _rows(kimi).values()} == {"bfloat16"}  # the fixture names bfloat16
 
 
 def test_kimi_recipe_comment_quotes_the_table(cli_table):
-    """jobs/kimi-k2.5.yaml says what the anchors' data would cost: its figures are the 1 M rows' own."""
+    """jobs/kimi-k2.5.yaml says what its own data size costs in each mode: its figures are the table's rows
+    at its prompts.limit, and it runs the mode it names."""
+    r = load_recipe(KIMI)
     comment = "\n".join(line for line in KIMI.read_text().splitlines() if line.startswith("#"))
-    rows = {line.split(" | ")[1]: line for line in cli_table.splitlines() if line.startswith("| 1,000,000 |")}
+    size = f"| {r.prompts.limit:,} |"
+    rows = {line.split(" | ")[1]: line for line in cli_table.splitlines() if line.startswith(size)}
     quoted = re.findall(r"#   ([\w-]+): ([\d,]+) GPU-hours, ([\d.]+ [KMGTP]iB) peak, ([\d.]+) days", comment)
     assert {q[0] for q in quoted} == set(SCALE_MODES), comment
     for mode, hours, peak, days in quoted:
-        cells = rows[mode].split(" | ")  # "| 1,000,000", mode, capture, extract, train, total, peak, ...
-        assert (hours, peak, f"{days} d |") == (cells[5], cells[6], cells[9]), (mode, rows[mode])
+        cells = rows[mode].split(" | ")  # "| 600,000", mode, states, capture, extract, train, total, peak, ...
+        assert (hours, peak, f"{days} d |") == (cells[6], cells[7], cells[10]), (mode, rows[mode])
+    assert (r.train.source, r.train.later_epochs) == ("stream", "keep")  # "streaming" in the table
 
 
 @pytest.mark.k8s

@@ -24,7 +24,8 @@ def test_kimi_smoke_recipe_is_the_seed_run():
     d = r.draft
     assert (d.hidden_size, d.num_attention_heads, d.head_dim, d.draft_vocab_size) == (7168, 64, 128, 32000)
     full = load_recipe(REPO / "jobs/kimi-k2.5.yaml")
-    assert full.train.nproc_per_node == 8 and full.prompts.limit is None
+    assert full.train.nproc_per_node == 8 and full.prompts.limit == 600_000  # the anchors' data (jobs/ comment)
+    assert (full.train.source, full.extract.storage_dtype) == ("stream", "auto")
 
 
 def _write(tmp_path, text):

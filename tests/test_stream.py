@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -180,6 +181,40 @@ def test_training_starts_before_extraction_ends_and_the_store_stays_within_the_w
     final = Stage(st, "r", "train").manifest("final")
     rec = json.loads(Stage(st, "r", "train").read("final/train_config.json", final["files"]["final/train_config.json"]))
     assert rec["stream"]["consumed_shards"] == len(train) and rec["stream"]["later_epochs"] == "re-extract"
+
+
+def test_keep_mode_stages_each_shard_on_local_disk_so_later_epochs_read_none_from_the_store(tiny_recipe, tmp_path,
+                                                                                            bucket, monkeypatch):
+    """The node cache: with train.later_epochs keep, the shards a later epoch reads again are staged to
+    the work dir as they commit (train.ShardStager), and the second epoch reads them there."""
+    from eagle_jobs import train_data
+    from eagle_jobs.train_data import staged_name
+
+    monkeypatch.setenv("EAGLE_JOBS_WORK_DIR", str(tmp_path / "work"))
+    recipe = _stream_recipe(tiny_recipe, tmp_path, f"s3://{bucket}/runs", later_epochs="keep")
+    st = Store.open(recipe.store.uri)
+    run_capture(recipe, st, "r")
+    reads, from_store = Counter(), Counter()
+    staged, ranged = train_data.read_staged, train_data.read_sample_bytes
+
+    def spy_staged(store, run_id, root, fname, local_name, e):
+        reads[fname, e["row_id"]] += 1
+        return staged(store, run_id, root, fname, local_name, e)
+
+    def spy_store(store, run_id, fname, e):
+        from_store[fname, e["row_id"]] += 1
+        return ranged(store, run_id, fname, e)
+
+    monkeypatch.setattr(train_data, "read_staged", spy_staged)
+    monkeypatch.setattr(train_data, "read_sample_bytes", spy_store)
+    run_streamed(recipe, st, "r")
+    manifests = Stage(st, "r", "extract").manifests()
+    train = {(f"{m['shard']}.safetensors", e["row_id"]) for m in manifests if not stream.is_validation(m)
+             for e in m["samples"] if e["loss_tokens"] > 1}
+    assert train and all(reads[k] == 2 for k in train)  # two epochs read every training sample
+    assert all(from_store[k] <= 1 for k in train), from_store  # ... and at most the first from the store
+    on_disk = {p.name for p in (tmp_path / "work").rglob("*.safetensors")}
+    assert {staged_name(f, i) for m in manifests for f, i in m["files"].items()} <= on_disk
 
 
 def start(recipe_path: Path, tmp_path: Path, name: str, *command: str) -> subprocess.Popen:

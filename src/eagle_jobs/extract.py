@@ -22,7 +22,7 @@ import torch
 from eagle_jobs.committed import read_rows, read_sample
 from eagle_jobs.draft import check_aux_ids, stored_layer_ids
 from eagle_jobs.errors import Unavailable
-from eagle_jobs.hsformat import Sample, bytes_per_token, encode_shard, sample_problem
+from eagle_jobs.hsformat import Sample, bytes_per_token, encode_shard, resolve_storage, sample_problem
 from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.recipe import Recipe
@@ -242,12 +242,16 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
     layer_ids = stored_layer_ids(recipe.aux_layer_ids, n_layers)
     stage = Stage(store, run_id, STAGE)
     rows = read_rows(store, run_id)
+    x = recipe.extract
+    recipe = recipe.with_storage(resolve_storage(x.storage_dtype, sum(len(r["input_ids"]) for r in rows),
+                                                 len(layer_ids), hidden, x.fp8_above_bytes))
     worker = ShardWorker.resolve(stage, shard_index, num_shards)
     idx, n = worker.index, worker.count
     bpt = bytes_per_token(len(layer_ids), hidden, recipe.extract.storage_dtype)
     plan, todo, before_shard = shard_plan(recipe, worker, rows, bpt)
     console.print(f"{worker.describe()}: {sum(len(s) for s in plan)} rows in {len(plan)} shards "
-                  f"(~{recipe.extract.shard_bytes / 2**20:.0f} MiB each, {bpt} B/token), "
+                  f"(~{recipe.extract.shard_bytes / 2**20:.0f} MiB each, {recipe.extract.storage_dtype} states, "
+                  f"{bpt} B/token), "
                   f"{len(plan) - len(todo)} already committed; layers {layer_ids}")
     from eagle_jobs.reuse import HiddenStateIndex
 

@@ -38,6 +38,15 @@ def bytes_per_token(num_layers: int, hidden: int, storage: str) -> int:
     return num_layers * hidden * 2 + 8 + 1
 
 
+def resolve_storage(setting: str, tokens: int, num_layers: int, hidden: int, fp8_above_bytes: int) -> str:
+    """extract.storage_dtype: bfloat16 or fp8 as set; auto, fp8 once the corpus's states would take more
+    than extract.fp8_above_bytes in bf16. Extraction and a streaming trainer resolve it from the same
+    committed rows (every row's tokens), so they agree on the layout without talking to each other."""
+    if setting != "auto":
+        return setting
+    return "fp8" if tokens * bytes_per_token(num_layers, hidden, "bfloat16") > fp8_above_bytes else "bfloat16"
+
+
 @dataclass
 class Sample:
     row_id: str

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from rich.table import Table
 
 from eagle_jobs.draft import DraftShape, resolve_shape
-from eagle_jobs.hsformat import bytes_per_token
+from eagle_jobs.hsformat import bytes_per_token, resolve_storage
 from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import DraftSpec, Recipe, Throughputs
@@ -120,26 +120,39 @@ def make_plan(recipe: Recipe) -> dict:
     n_layers = len(recipe.aux_layer_ids) + 1
     hs_bf16 = tokens * bytes_per_token(n_layers, shape.hidden_size, "bfloat16")
     hs_fp8 = tokens * bytes_per_token(n_layers, shape.hidden_size, "fp8")
-    hs = hs_fp8 if recipe.extract.storage_dtype == "fp8" else hs_bf16
+    x = recipe.extract
+    storage = resolve_storage(x.storage_dtype, tokens, n_layers, shape.hidden_size, x.fp8_above_bytes)
+    hs = hs_fp8 if storage == "fp8" else hs_bf16
     t, tp = recipe.train, recipe.plan
     gpus = t.nproc_per_node * t.nnodes
     params = draft_parameters(shape, len(recipe.aux_layer_ids), recipe.draft)
     ckpt = params["saved"] * 2 + params["trainable"] * 2 * 2  # bf16 weights + bf16 Adam moments
     capture_shards = math.ceil(convs / recipe.capture.prompts_per_shard)
     extract_shards = max(1, math.ceil(hs / recipe.extract.shard_bytes))
-    staged_reads = hs if hs <= t.local_stage_bytes else hs * t.epochs
+    # a corpus within train.local_stage_bytes is read from the store once (the node cache), unless every
+    # epoch is extracted again
+    reextract = t.source == "stream" and t.later_epochs == "re-extract"
+    staged_reads = hs if hs <= t.local_stage_bytes and not reextract else hs * t.epochs
     val = recipe.prompts.validation
     n_val = int(val) if val >= 1 else int(round(convs * val))
     ev = recipe.evaluate
     eval_tokens = 2 * min(ev.num_prompts or n_val, n_val) * ev.max_new_tokens  # trained and untrained draft
     if ev.backend == "vllm":  # the speed passes, with the draft and without (an upper bound on each)
         eval_tokens += 2 * sum(ev.speedup_requests_at(c) for c in ev.concurrency_levels) * ev.max_new_tokens
+    extract_s = tokens / tp.extract_tokens_per_s + hs / tp.store_bytes_per_s
+    train_s, passes = gens * t.epochs / (tp.train_samples_per_s_per_gpu * gpus), 1
+    if t.source == "stream":  # training starts beside extraction and cannot finish an epoch before its pass
+        epoch_s = train_s / t.epochs
+        if t.later_epochs == "re-extract":
+            passes, train_s = t.epochs, t.epochs * max(extract_s, epoch_s)
+        else:
+            train_s = max(extract_s, epoch_s) + (t.epochs - 1) * epoch_s
     stages = {
         "capture": {"time_s": gens * gen_toks / tp.capture_tokens_per_s, "objects": 2 * capture_shards + 2,
                     "write_bytes": tokens * 8, "read_bytes": 0},
-        "extract": {"time_s": tokens / tp.extract_tokens_per_s + hs / tp.store_bytes_per_s,
-                    "objects": 2 * extract_shards + 2, "write_bytes": hs, "read_bytes": tokens * 8},
-        "train": {"time_s": gens * t.epochs / (tp.train_samples_per_s_per_gpu * gpus),
+        "extract": {"time_s": passes * extract_s, "objects": 2 * passes * extract_shards + 2,
+                    "write_bytes": passes * hs, "read_bytes": passes * tokens * 8},
+        "train": {"time_s": train_s,
                   "objects": 2 * (t.epochs + 1) + 1, "write_bytes": ckpt * t.epochs, "read_bytes": staged_reads},
         "evaluate": {"time_s": eval_tokens / tp.eval_tokens_per_s, "objects": 8 if ev.backend == "vllm" else 7,
                      "write_bytes": 1e6, "read_bytes": params["total"] * 2},
@@ -147,11 +160,18 @@ def make_plan(recipe: Recipe) -> dict:
     for name, st in stages.items():
         st["deadline_floor_s"] = deadline_floor_s(name, st["time_s"])
     return {"conversations": convs, "samples": gens, "tokens": tokens, "tokens_per_sample": seq,
-            "hidden_state_bytes": {"bfloat16": hs_bf16, "fp8": hs_fp8}, "stored_layers": n_layers,
+            "hidden_state_bytes": {"bfloat16": hs_bf16, "fp8": hs_fp8}, "stored_layers": n_layers, "storage": storage,
             "draft_shape": shape.describe(), "draft_parameters": params, "gpus_for_training": gpus,
             "train_checkpoint": {"bytes": ckpt, "save_s": checkpoint_save_s(ckpt, tp.store_bytes_per_s)},
             "stages": stages, "total_time_s": sum(s["time_s"] for s in stages.values()),
             "total_objects": sum(s["objects"] for s in stages.values())}
+
+
+def _why_storage(recipe: Recipe) -> str:
+    x = recipe.extract
+    if x.storage_dtype != "auto":
+        return ""
+    return f" (extract.storage_dtype auto: fp8 above {_human(x.fp8_above_bytes)} in bf16)"
 
 
 def print_plan(recipe: Recipe, store=None, run_id: str | None = None, as_json: bool = False) -> dict:
@@ -160,7 +180,8 @@ def print_plan(recipe: Recipe, store=None, run_id: str | None = None, as_json: b
         from eagle_jobs.prompts import load_prompts
         from eagle_jobs.reuse import reuse_plan
 
-        p["reuse"] = reuse_plan(store, recipe, run_id or recipe.store.run_id, load_prompts(recipe.prompts))
+        p["reuse"] = reuse_plan(store, recipe.with_storage(p["storage"]), run_id or recipe.store.run_id,
+                                load_prompts(recipe.prompts))
     if as_json:
         print(json.dumps(p, indent=1))
         return p
@@ -172,7 +193,8 @@ def print_plan(recipe: Recipe, store=None, run_id: str | None = None, as_json: b
     console.print(f"[bold]plan[/] {recipe.name}: {p['conversations']:,} conversations, {p['samples']:,} samples, "
                   f"~{p['tokens']:,} tokens (<= {p['tokens_per_sample']:.0f}/sample)")
     console.print(f"  hidden states: {_human(p['hidden_state_bytes']['bfloat16'])} bf16, "
-                  f"{_human(p['hidden_state_bytes']['fp8'])} fp8 ({p['stored_layers']} layers); "
+                  f"{_human(p['hidden_state_bytes']['fp8'])} fp8 ({p['stored_layers']} layers), stored as "
+                  f"{p['storage']}{_why_storage(recipe)}; "
                   f"draft {p['draft_parameters']['trainable']:,} trainable / "
                   f"{p['draft_parameters']['total']:,} total parameters")
     ck = p["train_checkpoint"]
@@ -210,7 +232,9 @@ class ScaleBasis:
     samples_per_conversation: float
     tokens_per_sample: float  # an upper bound: every answer runs to sampling.max_new_tokens
     answer_tokens_per_sample: int
-    bytes_per_token: int
+    bytes_per_token: dict[str, int]  # by storage dtype
+    storage: str  # extract.storage_dtype: auto picks per corpus (hsformat.resolve_storage)
+    fp8_above_bytes: int
     epochs: int
     train_nodes: int
     train_gpus: int
@@ -261,13 +285,13 @@ def parse_scales(text: str) -> list[int]:
 
 
 def scale_basis(recipe: Recipe, plan: dict) -> ScaleBasis:
-    dtype = "fp8" if recipe.extract.storage_dtype == "fp8" else "bfloat16"
     t = recipe.train
     window = recipe.store.window_bytes or recipe.plan.stream_window_bytes
     return ScaleBasis(samples_per_conversation=plan["samples"] / plan["conversations"],
                       tokens_per_sample=plan["tokens_per_sample"],
                       answer_tokens_per_sample=recipe.sampling.max_new_tokens,
-                      bytes_per_token=plan["hidden_state_bytes"][dtype] // max(1, plan["tokens"]),
+                      bytes_per_token={d: n // max(1, plan["tokens"]) for d, n in plan["hidden_state_bytes"].items()},
+                      storage=recipe.extract.storage_dtype, fp8_above_bytes=recipe.extract.fp8_above_bytes,
                       epochs=t.epochs, train_nodes=t.nnodes, train_gpus=t.nproc_per_node * t.nnodes,
                       local_stage_bytes=t.local_stage_bytes, shard_bytes=recipe.extract.shard_bytes,
                       window_bytes=window, rates=recipe.plan)
@@ -310,7 +334,9 @@ def price_mode(b: ScaleBasis, conversations: int, mode: str) -> dict:
     """One row: GPU-hours per stage (booked, and extraction's busy share), store bytes and wall time."""
     samples = conversations * b.samples_per_conversation
     tokens = int(samples * b.tokens_per_sample)
-    corpus = tokens * b.bytes_per_token
+    storage = b.storage if b.storage != "auto" else (
+        "fp8" if tokens * b.bytes_per_token["bfloat16"] > b.fp8_above_bytes else "bfloat16")
+    corpus = tokens * b.bytes_per_token[storage]
     s = _spans(b, samples, tokens, corpus)
     c, r = _mode_cost(b, s, corpus, mode), b.rates
     extract_gpus = r.gpus_per_node * r.extract_nodes
@@ -319,7 +345,7 @@ def price_mode(b: ScaleBasis, conversations: int, mode: str) -> dict:
     # stored runs the stages one after another; streaming overlaps extraction and training
     wall = s.capture + (c.extract_span if mode == "stored" else 0) + c.train_span
     return {"conversations": conversations, "mode": mode, "samples": samples, "tokens": tokens,
-            "corpus_bytes": corpus, "gpu_hours": gpu_h, "total_gpu_hours": sum(gpu_h.values()),
+            "storage": storage, "corpus_bytes": corpus, "gpu_hours": gpu_h, "total_gpu_hours": sum(gpu_h.values()),
             "extract_busy_gpu_hours": _gpu_h(c.passes * s.extract, extract_gpus), "extract_passes": c.passes,
             "peak_store_bytes": c.peak, "written_bytes": c.written, "read_bytes": c.reads,
             "traffic_bytes": c.written + c.reads, "wall_s": wall,
@@ -338,8 +364,11 @@ def scale_sources(recipe: Recipe, b: ScaleBasis) -> dict[str, dict]:
     window_given = recipe.store.window_bytes
     out["window_bytes"] = {"value": b.window_bytes, "from": "recipe store.window_bytes" if window_given
                            else "plan.stream_window_bytes (the recipe has no store.window_bytes)"}
-    out["bytes_per_token"] = {"value": b.bytes_per_token, "from": "hsformat.bytes_per_token: (aux layers + 1) x "
-                              f"hidden size x {recipe.extract.storage_dtype} + token id/mask (recipe)"}
+    for dtype, n in b.bytes_per_token.items():
+        out[f"bytes_per_token.{dtype}"] = {"value": n, "from": "hsformat.bytes_per_token: (aux layers + 1) x "
+                                           f"hidden size x {dtype} (+ fp8's scales) + token id/mask"}
+    out["fp8_above_bytes"] = {"value": b.fp8_above_bytes, "from": f"recipe extract section (storage_dtype {b.storage}: "
+                              + ("fp8 above it, bfloat16 below)" if b.storage == "auto" else "not used)")}
     out["tokens_per_sample"] = {"value": b.tokens_per_sample, "from": "the prompt set's mean prompt (or limits) + "
                                 "sampling.max_new_tokens, capped at limits.max_seq_len (an upper bound)"}
     for key, val in (("epochs", b.epochs), ("train_nodes", b.train_nodes), ("train_gpus", b.train_gpus),
@@ -352,9 +381,17 @@ def _scale_title(recipe: Recipe, b: ScaleBasis, conversations: list[int]) -> str
     r = b.rates
     return (f"plan {recipe.name} at {' / '.join(f'{n:,}' for n in conversations)} conversations: "
             f"{b.samples_per_conversation:g} sample(s) per conversation of <= {b.tokens_per_sample:,.0f} tokens, "
-            f"{b.bytes_per_token:,} bytes of {recipe.extract.storage_dtype} hidden states a token, {b.epochs} epochs; "
+            f"hidden states of {_storage_words(b)}, {b.epochs} epochs; "
             f"capture on {r.capture_nodes}, extraction on {r.extract_nodes} and training on {b.train_nodes} "
             f"node(s) of {r.gpus_per_node} GPUs")
+
+
+def _storage_words(b: ScaleBasis) -> str:
+    bpt = b.bytes_per_token
+    if b.storage != "auto":
+        return f"{bpt[b.storage]:,} bytes of {b.storage} a token"
+    return (f"{bpt['bfloat16']:,} bytes a token in bfloat16, {bpt['fp8']:,} in fp8 (storage auto: fp8 once a corpus "
+            f"is above {_human(b.fp8_above_bytes)} in bfloat16)")
 
 
 def scale_table(recipe: Recipe, conversations: list[int]) -> dict:
@@ -401,11 +438,11 @@ def _read_bound_note(table: dict) -> list[str]:
 def scale_markdown(table: dict) -> str:
     """The table `plan --scale` prints and docs/OPERATIONS.md carries (tests keep them equal)."""
     lines = [table["title"], "",
-             "| conversations | mode | capture GPU-h | extract GPU-h (busy) | train GPU-h | total GPU-h "
-             "| peak store | written | traffic | wall |", "|" + "---|" * 10]
+             "| conversations | mode | states | capture GPU-h | extract GPU-h (busy) | train GPU-h | total GPU-h "
+             "| peak store | written | traffic | wall |", "|" + "---|" * 11]
     for row in table["rows"]:
         g = row["gpu_hours"]
-        lines.append(f"| {row['conversations']:,} | {row['mode']} | {_gpu_cell(g['capture'])} | "
+        lines.append(f"| {row['conversations']:,} | {row['mode']} | {row['storage']} | {_gpu_cell(g['capture'])} | "
                      f"{_extract_cell(g['extract'], row['extract_busy_gpu_hours'])} | "
                      f"{_gpu_cell(g['train'])} | {_gpu_cell(row['total_gpu_hours'])} | "
                      f"{_human(row['peak_store_bytes'])} | {_human(row['written_bytes'])} | "

@@ -147,7 +147,11 @@ class CaptureSpec(Section):
 
 class ExtractSpec(Section):
     backend: Literal["transformers", "vllm"] = "transformers"
-    storage_dtype: Literal["bfloat16", "fp8"] = "bfloat16"
+    # auto: bfloat16, or fp8 (half the bytes) once the corpus's states would exceed fp8_above_bytes in
+    # bf16: on the demo's data fp8 served tau within 0.005 of bf16 (docs/DEMO.md), and above this size
+    # the store, its traffic and the node cache are what a run is sized by (`eagle-jobs plan` says which).
+    storage_dtype: Literal["auto", "bfloat16", "fp8"] = "auto"
+    fp8_above_bytes: int = Field(default=64 * 1024**3, gt=0)
     shard_bytes: int = Field(default=512 * 1024**2, gt=0)
     batch_tokens: int = Field(default=4096, gt=0)  # transformers backend
     concurrency: int = Field(default=32, gt=0)  # vllm backend
@@ -417,6 +421,11 @@ class Recipe(Section):
     plan: Throughputs = Throughputs()
     # `eagle-jobs compare`: name -> overrides of `draft` / `train`, e.g. {lk: {train: {loss: ...}}}
     variants: dict[str, VariantSpec] = Field(default_factory=dict)
+
+    def with_storage(self, dtype: str) -> "Recipe":
+        """This recipe with extract.storage_dtype resolved (hsformat.resolve_storage): what extraction
+        writes, records in its settings digest and matches reuse by."""
+        return self.model_copy(update={"extract": self.extract.model_copy(update={"storage_dtype": dtype})})
 
     @model_validator(mode="after")
     def _variants_valid(self) -> "Recipe":

@@ -24,7 +24,7 @@ shards (recipe.WINDOW_SHARDS), training checks steps (`check_window`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from eagle_jobs.errors import BadInput, EagleJobsError
@@ -208,6 +208,24 @@ def mark_failed(store: Store, run_id: str, error: str) -> None:
 
 def clear_failed(store: Store, run_id: str) -> None:
     store.delete(failed_key(run_id))
+
+
+def committed_in_order(store: Store, run_id: str, names: Sequence[str]) -> Iterator[dict]:
+    """The manifests of `names`, each once extraction commits it, quietly (train.ShardStager's
+    source: the trainer's own reads say where the stream is). Ends at a failed extraction or at a
+    shard a completed extraction does not hold; training itself reports both."""
+    stage = Stage(store, run_id, StageName.EXTRACT.dir)
+    for name in names:
+        m = stage.manifest(name)
+        while m is None:
+            if store.exists(failed_key(run_id)):
+                return
+            done = stage.is_complete()  # before the manifest's second look: it may commit in between
+            if (m := stage.manifest(name)) is None:
+                if done:
+                    return
+                time.sleep(POLL_S)
+        yield m
 
 
 def check_not_failed(store: Store, run_id: str) -> None:

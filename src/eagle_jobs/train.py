@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from eagle_jobs.layout import StageName, train_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.store import Stage, Store
+from eagle_jobs.train_data import staged_name
 from eagle_jobs.verifier import load_config, text_config
 
 STAGE = StageName.TRAIN.dir
@@ -48,24 +50,20 @@ STAGE = StageName.TRAIN.dir
 
 # -- data ---------------------------------------------------------------------------
 class ShardStager:
-    """Copies committed shards to bounded local disk ahead of the trainer.
+    """Copies committed shards to bounded local disk ahead of the trainer (one per node).
 
     Readers use the local copy once it is there and range-read the store until
     then, so training never waits for a whole shard and local disk stays under
-    `train.local_stage_bytes`.
+    `train.local_stage_bytes`. Stored mode stages the extraction's shards in order; streaming
+    stages each shard a later epoch reads again as it commits (`stream.committed_in_order`).
     """
 
-    def __init__(self, store: Store, run_id: str, manifests: list[dict], root: Path, budget: int):
+    def __init__(self, store: Store, run_id: str, manifests: Iterable[dict], root: Path, budget: int):
         self.store, self.root, self.budget = store, root, budget
         self.stage = Stage(store, run_id, StageName.EXTRACT.dir)
         self.manifests = manifests
         root.mkdir(parents=True, exist_ok=True)
         self.thread = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def local_name(fname: str, info: dict) -> str:
-        """Content-addressed: a staged copy from an earlier extraction can never be mistaken for this one."""
-        return f"{info['sha256'][:16]}-{fname}"
 
     def _run(self) -> None:
         used = 0
@@ -73,7 +71,7 @@ class ShardStager:
             (fname, info), = m["files"].items()
             if used + info["size"] > self.budget:
                 return
-            dest = self.root / self.local_name(fname, info)
+            dest = self.root / staged_name(fname, info)
             if not dest.exists():
                 data = self.stage.read(fname, info)  # sha256-checked against the manifest
                 tmp = dest.with_name(f"{dest.name}.part-{os.getpid()}")
@@ -357,8 +355,13 @@ def check_extraction(recipe: Recipe, store: Store, run_id: str) -> tuple[dict, P
     """The committed extraction's info, the verifier's text config and the draft shape, checked against each other."""
     tcfg = text_config(load_config(recipe.verifier))
     if recipe.train.source == "stream":  # extraction is still going on: its layout is the recipe's
-        info: dict = {"manifests": [], "storage": recipe.extract.storage_dtype, "hidden_size": int(tcfg.hidden_size),
-                      "layer_ids": stored_layer_ids(recipe.aux_layer_ids, int(tcfg.num_hidden_layers))}
+        from eagle_jobs.hsformat import resolve_storage
+
+        layer_ids, hidden = stored_layer_ids(recipe.aux_layer_ids, int(tcfg.num_hidden_layers)), int(tcfg.hidden_size)
+        tokens = sum(len(r["input_ids"]) for r in read_rows(store, run_id))  # what extraction resolves it from
+        storage = resolve_storage(recipe.extract.storage_dtype, tokens, len(layer_ids), hidden,
+                                  recipe.extract.fp8_above_bytes)
+        info: dict = {"manifests": [], "storage": storage, "hidden_size": hidden, "layer_ids": layer_ids}
     else:
         info = extraction_info(store, run_id)
     shape = resolve_shape(recipe, tcfg)
@@ -428,7 +431,7 @@ class TrainData:
         from speculators.train.distributed import get_local_rank
 
         if recipe.train.source == "stream":
-            return cls.streamed(recipe, store, run_id, info, shape, hs_dtype)
+            return cls.streamed(recipe, store, run_id, info, shape, work, hs_dtype)
 
         stager = ShardStager(store, run_id, info["manifests"], work / "stage", recipe.train.local_stage_bytes)
         if get_local_rank() == 0:  # one stager per node; the other ranks read what it staged
@@ -438,7 +441,7 @@ class TrainData:
             (fname, finfo), = m["files"].items()
             for e in m["samples"]:
                 if e["loss_tokens"] > 1:
-                    items[e["split"]].append((fname, ShardStager.local_name(fname, finfo), e))
+                    items[e["split"]].append((fname, staged_name(fname, finfo), e))
         if not items["train"]:
             raise BadInput(f"run '{run_id}' has no training samples with loss tokens")
         from eagle_jobs.train_data import StoreHiddenStatesDataset
@@ -457,12 +460,12 @@ class TrainData:
 
 
     @classmethod
-    def streamed(cls, recipe: Recipe, store: Store, run_id: str, info: dict, shape: DraftShape,
+    def streamed(cls, recipe: Recipe, store: Store, run_id: str, info: dict, shape: DraftShape, work: Path,
                  hs_dtype: torch.dtype) -> TrainData:
         """train.source stream: the stream's shards (eagle_jobs.stream), batched in commit order."""
         from speculators.models.eagle3.data import shift_batch
         from speculators.train.dataloader import _setup_dataloader
-        from speculators.train.distributed import get_dp_rank, get_dp_size
+        from speculators.train.distributed import get_dp_rank, get_dp_size, get_local_rank
 
         from eagle_jobs import speculators_compat as compat
         from eagle_jobs import stream
@@ -495,14 +498,22 @@ class TrainData:
         if not items["train"]:
             raise BadInput(f"run '{run_id}' has no training rows with loss tokens")
         names, T = [s.name for s in order], t.total_seq_len
-        ds = StreamHiddenStatesDataset(store.uri, run_id, items["train"], names, T, hs_dtype)
+        # the node cache: each shard a later epoch reads again, staged to local disk as it commits (the
+        # validation shards, every epoch; the training shards, in keep mode), within train.local_stage_bytes
+        again = [s.name for s in order if t.epochs > 1 and (s.split == "validation" or not reextract)]
+        stager = ShardStager(store, run_id, stream.committed_in_order(store, run_id, again), work / "stage",
+                             t.local_stage_bytes)
+        if again and get_local_rank() == 0:  # one stager per node; the other ranks read what it staged
+            stager.start()
+        ds = StreamHiddenStatesDataset(store.uri, run_id, items["train"], names, str(stager.root), T, hs_dtype)
         sampler = StreamBatchSampler(ds.approx_lengths, index_groups, reextract, T, get_dp_size(), get_dp_rank(),
                                      t.seed)
         layers = len(recipe.aux_layer_ids)
         train = compat.stream_dataloader(ds, sampler, T, shape.hidden_size, t.num_workers, layers, shift_batch)
         val = None
         if items["validation"]:
-            vds = StreamHiddenStatesDataset(store.uri, run_id, items["validation"], names, T, hs_dtype)
+            vds = StreamHiddenStatesDataset(store.uri, run_id, items["validation"], names, str(stager.root), T,
+                                            hs_dtype)
             val = _setup_dataloader(vds, T, shape.hidden_size, num_workers=t.num_workers, num_target_layers=layers,
                                     prefetch_factor=4, preprocess=shift_batch, seed=t.seed)
         console.print(f"  stream: {len(order)} shards planned ({len(groups)} shuffle groups), window "

@@ -22,6 +22,26 @@ from eagle_jobs.hsformat import decode_sample
 from eagle_jobs.store import Store
 
 
+def staged_name(fname: str, info: dict) -> str:
+    """A shard's name on local disk, content-addressed: a staged copy from an earlier extraction can
+    never be mistaken for this one."""
+    return f"{info['sha256'][:16]}-{fname}"
+
+
+def read_staged(store: Store, run_id: str, stage_root: str, fname: str, local_name: str, e: dict) -> bytes | bytearray:
+    """One sample's bytes: from the shard's staged copy on local disk (train.ShardStager) once it is
+    there, else by a range read from the store."""
+    local = Path(stage_root) / local_name
+    if local.exists():
+        buf = bytearray(e["length"])  # read straight into memory the tensors then share
+        with open(local, "rb") as f:
+            f.seek(e["start"])
+            if f.readinto(buf) != e["length"]:
+                raise OSError(f"{local}: shorter than its manifest says; delete it to stage it again")
+        return buf
+    return read_sample_bytes(store, run_id, fname, e)
+
+
 class StoreHiddenStatesDataset(BaseDataset):
     """Samples of one split: (shard file, staged name, manifest entry) each."""
 
@@ -38,17 +58,9 @@ class StoreHiddenStatesDataset(BaseDataset):
         return len(self.items)
 
     def _read(self, fname: str, local_name: str, e: dict) -> bytes | bytearray:
-        local = Path(self.stage_root) / local_name
-        if local.exists():
-            buf = bytearray(e["length"])  # read straight into memory the tensors then share
-            with open(local, "rb") as f:
-                f.seek(e["start"])
-                if f.readinto(buf) != e["length"]:
-                    raise OSError(f"{local}: shorter than its manifest says; delete it to stage it again")
-            return buf
         if self._store is None:
             self._store = Store.open(self.store_uri)
-        return read_sample_bytes(self._store, self.run_id, fname, e)
+        return read_staged(self._store, self.run_id, self.stage_root, fname, local_name, e)
 
     def _get_raw_data(self, index: int):
         s = decode_sample(self._read(*self.items[index]), self.items[index][2], self.hidden_states_dtype)
@@ -67,10 +79,12 @@ class StreamHiddenStatesDataset(BaseDataset):
     """
 
     def __init__(self, store_uri: str, run_id: str, items: list[tuple[str, str, int]], order: list[str],
-                 max_len: int, dtype: torch.dtype):
+                 stage_root: str, max_len: int, dtype: torch.dtype):
         self.store_uri, self.run_id, self.items, self.order = store_uri, run_id, items, order
+        self.stage_root = stage_root  # the shards train.ShardStager keeps on local disk for later epochs
         self._store: Store | None = None
-        self._entries: dict[str, tuple[str, dict[str, dict], set[str]]] = {}  # shard -> (file, entries, skipped)
+        # shard -> (file, its staged name, entries, skipped)
+        self._entries: dict[str, tuple[str, str, dict[str, dict], set[str]]] = {}
         super().__init__(max_len, dtype)
 
     def _compute_approx_lengths(self):
@@ -79,15 +93,16 @@ class StreamHiddenStatesDataset(BaseDataset):
     def __len__(self):
         return len(self.items)
 
-    def _shard(self, name: str) -> tuple[str, dict[str, dict], set[str]]:
+    def _shard(self, name: str) -> tuple[str, str, dict[str, dict], set[str]]:
         if name not in self._entries:
             if self._store is None:
                 self._store = Store.open(self.store_uri)
             m = wait_committed(self._store, self.run_id, name, self.order)
-            (fname,) = m["files"]
+            (fname, finfo), = m["files"].items()
             if len(self._entries) >= 256:  # a shuffle group's shards at a time, not the whole stream's
                 self._entries.pop(next(iter(self._entries)))
-            self._entries[name] = (fname, {e["row_id"]: e for e in m["samples"]}, {k["row_id"] for k in m["skipped"]})
+            self._entries[name] = (fname, staged_name(fname, finfo), {e["row_id"]: e for e in m["samples"]},
+                                   {k["row_id"] for k in m["skipped"]})
         return self._entries[name]
 
     def _get_raw_data(self, index: int):
@@ -98,7 +113,7 @@ class StreamHiddenStatesDataset(BaseDataset):
         p, i = divmod(index, len(self.items))
         shard, row_id, _n = self.items[i]
         name = pass_name(shard, p)
-        fname, entries, skipped = self._shard(name)
+        fname, local_name, entries, skipped = self._shard(name)
         e = entries.get(row_id)
         if e is None and row_id in skipped:
             return SampleUnavailable(reason=f"{row_id}: skipped by extraction")
@@ -109,7 +124,8 @@ class StreamHiddenStatesDataset(BaseDataset):
                            "the stream's plan puts there: it was extracted in stored mode or with other settings; "
                            "stream into a new run id, or train with train.source: stored")
         assert self._store is not None
-        s = decode_sample(read_sample_bytes(self._store, self.run_id, fname, e), e, self.hidden_states_dtype)
+        s = decode_sample(read_staged(self._store, self.run_id, self.stage_root, fname, local_name, e), e,
+                          self.hidden_states_dtype)
         hs = s["hidden_states"]
         return {"hidden_states": hs[:, :-1].flatten(1), "input_ids": s["token_ids"],
                 "verifier_last_hidden_states": hs[:, -1], "loss_mask": s["loss_mask"]}
