@@ -101,7 +101,7 @@ def run_pipeline(recipe: Recipe, store: Store, run_id: str, stages: list[str] | 
     streamed = recipe.train.source == "stream" and {"extract", "train"} <= set(wanted)
     if streamed:  # one step: extraction beside training
         runners["extract"] = lambda: run_streamed(recipe, store, run_id)
-    rows, tau = [], None
+    rows, tau, extract_streamed = [], None, False
     for name in STAGES:
         if name == "evaluate" and select:  # after training (run now or committed), before evaluate
             rows.append(select_by_served(recipe, store, run_id))
@@ -109,14 +109,15 @@ def run_pipeline(recipe: Recipe, store: Store, run_id: str, stages: list[str] | 
             continue
         stage = Stage(store, run_id, StageName(name).dir)
         t0 = time.perf_counter()
-        if streamed and name == "train" and rows and rows[-1][1] == "streamed into train":
+        if name == "train" and extract_streamed:
             status = "done (its time is extract's: they ran together)"
         elif stage.is_complete():
             status = "skipped (committed)"
         else:
             console.rule(f"[bold]{name}")
             runners[name]()
-            status = "streamed into train" if streamed and name == "extract" else "done"
+            extract_streamed = streamed and name == "extract"
+            status = "streamed into train" if extract_streamed else "done"
         if name == "evaluate":
             tau = (stage.completion() or {}).get("acceptance_length")
         rows.append((name, status, f"{time.perf_counter() - t0:.0f}s", store.url(stage.prefix)))

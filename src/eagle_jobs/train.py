@@ -9,6 +9,7 @@ newest at its exact step), export the final checkpoint.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -21,7 +22,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -572,6 +573,11 @@ class StreamFeed:
     marked: set[str]
     _base: tuple[int, int] = (-1, 0)  # (epoch, groups done) at the last checkpoint this feed asked for
     first_step_at: float | None = None  # when this process's first step ended (the overlap with extraction)
+    _bytes_before: list[int] = field(default_factory=list)  # planned bytes of groups[:i], built once
+
+    def __post_init__(self) -> None:
+        self._bytes_before = list(itertools.accumulate((sum(s.planned_bytes for s in g) for g in self.groups),
+                                                       initial=0))
 
     def _pass(self, epoch: int) -> int:
         return epoch if self.reextract else 0
@@ -588,7 +594,7 @@ class StreamFeed:
         done = self._groups_done(epoch, step)
         from eagle_jobs.stream import CHECKPOINT_SHARE
 
-        if sum(s.planned_bytes for g in self.groups[self._base[1]:done] for s in g) < self.window // CHECKPOINT_SHARE:
+        if self._bytes_before[done] - self._bytes_before[self._base[1]] < self.window // CHECKPOINT_SHARE:
             return False
         self._base = (epoch, done)
         return True
