@@ -295,3 +295,28 @@ def _real_vllm_only_in_the_vllm_tier(request, monkeypatch, vllm_refusal_bin):
 
     monkeypatch.setattr(subprocess, "Popen", Guarded)
     yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With EAGLE_JOBS_TEST_CPU_LOG set, one JSON line per test: its wall time and the CPU seconds it cost,
+    the test process's own and its children's (those waited for), setup and teardown included. On 2 cores
+    the suite's time is its CPU: this says where it goes, which --durations (wall, under contention) cannot."""
+    path = os.environ.get("EAGLE_JOBS_TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> tuple[float, float]:
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+    t0, (s0, c0) = time.monotonic(), cpu()
+    yield
+    s1, c1 = cpu()
+    with open(path, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "wall": round(time.monotonic() - t0, 1),
+                            "self": round(s1 - s0, 1), "children": round(c1 - c0, 1)}) + "\n")

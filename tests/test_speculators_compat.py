@@ -166,6 +166,29 @@ def test_adaptation_9_lk_hybrid_eta_is_bound_and_nothing_else_changes():
     assert fused.fused_lk_hybrid_loss.__defaults__ == (3.0,)  # what an unbound spec gets
 
 
+def test_adaptation_14_muon_orthogonalises_in_fp32_on_cpu_to_torchs_result():
+    """torch's Newton-Schulz in bf16 and ours in fp32 agree to bf16's precision; a Muon step on CPU runs ours."""
+    compat.install()
+    from torch.optim import _muon
+
+    assert _muon._zeropower_via_newtonschulz is compat.newton_schulz_fp32
+    torch.manual_seed(0)
+    for shape in [(64, 192), (192, 64)]:
+        g = torch.randn(shape)
+        ours = compat.newton_schulz_fp32(g, (3.4445, -4.775, 2.0315), 5, 1e-7)
+        theirs = compat.TORCH_NEWTON_SCHULZ(g, (3.4445, -4.775, 2.0315), 5, 1e-7)
+        assert ours.dtype == theirs.dtype == torch.bfloat16 and ours.shape == g.shape
+        torch.testing.assert_close(ours.float(), theirs.float(), atol=0.02, rtol=0.02)
+        # orthogonalised: singular values near 1 (Muon's quintic leaves them in about [0.7, 1.2])
+        s = torch.linalg.svdvals(ours.float())
+        assert 0.5 < float(s.min()) and float(s.max()) < 1.3
+    w = torch.nn.Parameter(torch.randn(8, 16))
+    w.grad = torch.randn(8, 16)
+    before = w.detach().clone()
+    torch.optim.Muon([w], lr=0.1).step()
+    assert not torch.equal(w.detach(), before)
+
+
 def test_adaptation_12_fused_loss_kernels_hold_their_own_autotune_configs():
     """speculators 0.9.0 hands its forward and backward loss kernels one triton.autotune object, so
     both share one `configs` list, which torch 2.11's dynamo refused under compile on an H200."""

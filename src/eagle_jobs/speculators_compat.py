@@ -1,7 +1,7 @@
 """Every adaptation of speculators 0.9.0 that eagle-jobs makes, in one place.
 
 speculators' Trainer assumes an accelerator. On a CPU-only machine we change
-exactly points 1-4 and 7; on every machine, 12 (each adaptation has a test in
+exactly points 1-4, 7 and 14; on every machine, 12 (each adaptation has a test in
 tests/test_speculators_compat.py):
 
 1. `Trainer.setup_model` moves the model to `get_local_rank()` (an int):
@@ -70,6 +70,13 @@ And for train.source stream (issue 22):
    StoreTrainer also saves after a step where `checkpoint_due(epoch, step)` is true
    (the same on every rank: it is computed from the plan), so training commits the
    checkpoint that lets the shards it has finished with leave the window.
+And one for CPUs, where the recipes' Muon would be most of a step's time:
+14. torch.optim.Muon (speculators' Muon group) orthogonalises each update by Newton-Schulz
+   iterations in bf16 (torch/optim/_muon.py, `_zeropower_via_newtonschulz`). A CPU without
+   AVX512-BF16/AMX runs bf16 matmuls some 15x slower than fp32 (4.4 s against 0.3 s for four
+   iterations at the demo draft's 576 x 1536 on this AVX2 machine), so a 1-step epoch of the demo took
+   17 s, nearly all of it there. On CPU the same iterations run in fp32 and the update is rounded to
+   bf16, as torch returns it; on an accelerator torch's own function runs.
 """
 
 from __future__ import annotations
@@ -87,6 +94,7 @@ import torch
 from speculators.train import checkpointer as _ckpt
 from speculators.train import trainer as _trainer
 from speculators.train.graceful_shutdown import TrainingInterruptedError, with_graceful_shutdown
+from torch.optim import _muon
 
 from eagle_jobs.progress import PlainTicker, console
 
@@ -101,6 +109,7 @@ def has_accelerator() -> bool:
 
 
 _installed = False
+TORCH_NEWTON_SCHULZ = _muon._zeropower_via_newtonschulz  # torch's own, which 14 replaces on CPU
 
 
 def unshare_autotune_configs() -> None:
@@ -138,7 +147,28 @@ def install() -> None:
     # replacing these methods is this module's purpose (mypy flags any assignment to a method as a likely mistake)
     _trainer._StepTimer.mark, _trainer._StepTimer.now = mark, now  # type: ignore[method-assign]  # noqa: SLF001
     _ckpt.get_current_device = lambda: "cpu"  # 3
+    _muon._zeropower_via_newtonschulz = newton_schulz_fp32  # 14: Muon looks it up in its module at each step
     _installed = True
+
+
+def newton_schulz_fp32(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                       eps: float) -> torch.Tensor:
+    """14: torch's `_zeropower_via_newtonschulz` (torch 2.13) with its matmuls in fp32, returned in bf16 as there."""
+    if ns_steps >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    if grad.ndim != 2:
+        raise ValueError("Input tensor gradient must be a 2D matrix")
+    a, b, c = ns_coefficients
+    x = grad.float()
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    return x.bfloat16()
 
 
 def setup_distributed() -> None:
