@@ -20,6 +20,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Triton's interpreter runs speculators' fused-loss kernels on CPU tensors (test_train); triton reads
 # this once, when it is imported, and torch/speculators import it early: so here, before any of them.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Two or three pytest-xdist workers, each with torch's OpenMP threads, and their children, share 2 cores:
+# libgomp's threads spin at each barrier while the thread they wait for is descheduled, so that a
+# 13-second test took 64 s beside one other test, and over 9 minutes late in a full run. PASSIVE: a
+# waiting thread sleeps. libgomp reads it when it loads, so here, before torch; children inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Small multipart parts so tests exercise parallel multipart uploads.
 os.environ.setdefault("EAGLE_JOBS_MULTIPART_BYTES", str(6 * 1024**2))
 os.environ.setdefault("EAGLE_JOBS_PART_BYTES", str(5 * 1024**2))
@@ -243,13 +248,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.s3)
         if item.module.__name__ in K8S_MODULES:
             item.add_marker(pytest.mark.k8s)
-    # Modules with the most vLLM / training / end-to-end tests first: pytest-xdist (`--dist loadfile`) hands
-    # out modules in this order, so the long ones start at once instead of leaving one worker busy at the end.
-    heavy: dict[str, int] = {}
+    # The costliest tests first, each on its own: pytest-xdist's loadgroup hands tests out one at a time, in
+    # this order (with --no-loadscope-reorder; by default it would reorder its units by their number of tests,
+    # xdist/scheduler/loadscope.py), so the long ones start at once and the short ones fill in around them.
+    # A module whose tests share a module-scoped fixture (a trained draft, a served chain) goes as one unit,
+    # so that the fixture is built once, on one worker.
     for item in items:
-        if any(item.get_closest_marker(m) for m in ("vllm", "train", "e2e")):
-            heavy[item.nodeid.split("::")[0]] = heavy.get(item.nodeid.split("::")[0], 0) + 1
-    items.sort(key=lambda item: -heavy.get(item.nodeid.split("::")[0], 0))  # stable: a module's own order stays
+        if _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    items.sort(key=_cost_rank)  # stable: tests of one rank keep their order
+
+
+def _shares_a_module_fixture(item) -> bool:
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    module = item.nodeid.split("::")[0]
+    return any(d[-1].scope == "module" and d[-1].baseid == module for d in defs.values())
+
+
+def _cost_rank(item) -> int:
+    """0: real vLLM; 1: end to end, or trains a draft; 2: the rest (tests/conftest.py's tiers)."""
+    if item.get_closest_marker("vllm"):
+        return 0
+    return 1 if item.get_closest_marker("e2e") or item.get_closest_marker("train") else 2
 
 
 REFUSED_VLLM_EXIT = 97
@@ -320,3 +340,4 @@ def pytest_runtest_protocol(item, nextitem):
     with open(path, "a") as f:
         f.write(json.dumps({"test": item.nodeid, "wall": round(time.monotonic() - t0, 1),
                             "self": round(s1 - s0, 1), "children": round(c1 - c0, 1)}) + "\n")
+
