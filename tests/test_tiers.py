@@ -23,3 +23,31 @@ def test_this_process_outside_the_vllm_tier_is_refused_vllm_serve():
     for exe in [executable("vllm"), *REAL_VLLM]:
         with pytest.raises(AssertionError, match="starts real vLLM: mark it @pytest.mark.vllm"):
             subprocess.Popen([exe, "serve", "some/model"])
+
+
+def test_make_test_keeps_our_module_order_which_xdist_would_reorder_by_test_count():
+    """pytest-xdist's loadfile scheduler sorts its units by their number of tests unless told not to
+    (xdist/plugin.py: --loadscope-reorder, default True; xdist/scheduler/loadscope.py, `schedule`), which
+    would undo tests/conftest.py's costliest-first order: `make test` and `make test-fast` turn it off."""
+    from pathlib import Path
+
+    from _pytest.config.argparsing import Parser
+    from xdist import plugin
+
+    parser = Parser()
+    plugin.pytest_addoption(parser)
+    assert parser.parse([]).loadscopereorder is True
+    assert parser.parse(["--no-loadscope-reorder"]).loadscopereorder is False
+    make = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    lines = [ln for ln in make.replace("\\\n", " ").splitlines() if "--dist loadfile" in ln]
+    assert len(lines) == 2 and all("--no-loadscope-reorder" in ln for ln in lines), lines
+
+
+def test_xdist_cannot_group_by_rewriting_a_node_id_here(request):
+    """Why not `--dist loadgroup`: pytest-xdist 3.8 groups a test by `item._nodeid = f"{nodeid}@{group}"`
+    (xdist/remote.py, WorkerInteractor.pytest_collection_modifyitems); pytest 9.2's `Node.nodeid` returns
+    `str(self._id)` (_pytest/nodes.py), so the suffix never reaches the scheduler and groups split."""
+    item = request.node
+    before = item.nodeid
+    item._nodeid = f"{before}@group"
+    assert item.nodeid == before  # had this changed, loadgroup could keep a module-scoped fixture on one worker
