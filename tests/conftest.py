@@ -9,6 +9,7 @@ import re
 import socket
 import sys
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def work_dir(tmp_path_factory):
+    """Stage work dirs and vLLM server logs (EAGLE_JOBS_WORK_DIR, default ~/.cache/eagle-jobs/work/<run>)
+    in this worker's own temp dir: many tests use run id "r", and on the default path two workers'
+    servers appended to one log, so a failing test printed lines from another test's server."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EAGLE_JOBS_WORK_DIR", str(tmp_path_factory.mktemp("work")))
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -253,11 +264,10 @@ def pytest_collection_modifyitems(config, items):
     # by default it reorders them by their number of tests (xdist/scheduler/loadscope.py, `schedule`),
     # which left the long, few-test modules to the end. (loadgroup cannot group here: pytest-xdist 3.8
     # marks a group by rewriting `item._nodeid`, which pytest 9.2's `nodeid`, read from `_id`, ignores.)
-    cost: dict[str, int] = {}
+    cost = Counter()
     for item in items:
-        module = item.nodeid.split("::")[0]
-        cost[module] = cost.get(module, 0) + _cost(item)
-    items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])  # stable: a module's own order stays
+        cost[item.path] += _cost(item)
+    items.sort(key=lambda item: -cost[item.path])  # stable: a module's own order stays
 
 
 def _cost(item) -> int:
@@ -333,6 +343,7 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     s1, c1 = cpu()
     with open(path, "a") as f:
-        f.write(json.dumps({"test": item.nodeid, "wall": round(time.monotonic() - t0, 1),
+        f.write(json.dumps({"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "-"),
+                            "end": round(time.time(), 1), "wall": round(time.monotonic() - t0, 1),
                             "self": round(s1 - s0, 1), "children": round(c1 - c0, 1)}) + "\n")
 

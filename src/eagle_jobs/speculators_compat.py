@@ -74,9 +74,11 @@ And one for CPUs, where the recipes' Muon would be most of a step's time:
 14. torch.optim.Muon (speculators' Muon group) orthogonalises each update by Newton-Schulz
    iterations in bf16 (torch/optim/_muon.py, `_zeropower_via_newtonschulz`). A CPU without
    AVX512-BF16/AMX runs bf16 matmuls some 15x slower than fp32 (4.4 s against 0.3 s for four
-   iterations at the demo draft's 576 x 1536 on this AVX2 machine), so a 1-step epoch of the demo took
-   17 s, nearly all of it there. On CPU the same iterations run in fp32 and the update is rounded to
-   bf16, as torch returns it; on an accelerator torch's own function runs.
+   iterations at the demo draft's 576 x 1536 on this AVX2 machine): over the demo draft's weight
+   shapes an optimizer step took 28 s in bf16 and 1.9 s in fp32 (docs/DEMO.md). On CPU the same
+   iterations run in fp32 and the update is rounded to bf16, as torch returns it; on an accelerator
+   torch's own function runs. `newton_schulz_fp32` is torch 2.13's function with the dtype changed (torch
+   takes no dtype), so a test holds it equal to torch's own at bf16 precision, to catch a drift.
 """
 
 from __future__ import annotations
