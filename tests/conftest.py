@@ -194,7 +194,8 @@ def draft_call_kwargs(recipe, loss_implementation: str) -> dict:
     return trainer_call_kwargs(recipe, loss_implementation)[0]
 
 
-# Test tiers (`make test-fast` runs `-m "not vllm and not train and not e2e"`; `make test` runs everything).
+# Test tiers (`make test-fast` runs `-m "not vllm and not train and not e2e and not index"`; `make test` runs
+# everything). index: resolves an image's dependency set with pip against the package index; marked per test.
 # e2e: runs eagle-jobs end to end as its own processes (exit codes, signals, server lifetimes); marked per module.
 # vllm: starts a real vLLM server; train: trains a draft (speculators' trainer, torchrun ranks);
 # s3: talks to moto's S3 server; k8s: renders manifests with kustomize. s3 and k8s are marked from

@@ -17,12 +17,16 @@ def _gpu_check():
 
 @pytest.mark.train  # gpu_check.train_arm trains, outside what conftest's marker inference reads
 def test_gpu_check_script_runs_at_tiny_shape_on_cpu(tmp_path):
+    # --num-workers 0: each DataLoader worker is a spawned process that imports speculators (some 8 CPU-s),
+    # and each arm's train and validation loaders start their own; the torchrun test below keeps the
+    # script's default of 2, the path a GPU session takes.
     rs = _gpu_check().main(["--shape", "tiny", "--steps", "4", "--seq-len", "256", "--samples", "6",
-                            "--optimizers", "muon,adamw", "--out", str(tmp_path)])
+                            "--optimizers", "muon,adamw", "--num-workers", "0", "--out", str(tmp_path)])
     for optimizer in ("muon", "adamw"):  # two arms on the one extraction, each exported and inspected
         r = rs[optimizer]
         assert (r["attention"], r["loss"], r["device"], r["world_size"]) == ("sdpa", "eager", "cpu", 1)
         assert r["optimizer"] == optimizer and r["steps"] == 4 and r["tokens_per_s"] > 0 and r["inspect_ok"]
+        assert r["num_workers"] == 0
     assert rs["step_ratio"]["muon/adamw"] > 0
     assert (tmp_path / "gpu_check.json").is_file()
 
@@ -31,7 +35,7 @@ def test_gpu_check_script_runs_at_tiny_shape_on_cpu(tmp_path):
 def test_gpu_check_through_torchrun_on_cpu(tmp_path):
     r = _gpu_check().main(["--shape", "tiny", "--ranks", "1", "--fsdp", "--steps", "3", "--seq-len", "256",
                            "--samples", "5", "--out", str(tmp_path)])["muon"]
-    assert r["world_size"] == 1 and r["fsdp"] and r["steps"] == 3 and r["inspect_ok"]
+    assert r["world_size"] == 1 and r["fsdp"] and r["steps"] == 3 and r["inspect_ok"] and r["num_workers"] == 2
     assert (tmp_path / "gpu_check-ranks1-fsdp.json").is_file()
 
 
