@@ -26,10 +26,14 @@ SHA = "4d01dfe0332d63057c186e0b262165819efb6611"
 
 @pytest.fixture(scope="module")
 def sharded_smollm2(tmp_path_factory) -> Path:
-    """SmolLM2 split into shards with an index, as every large checkpoint is laid out."""
+    """SmolLM2 split into shards with an index, as every large checkpoint is laid out, in bf16 as large
+    checkpoints are stored: half the bytes (0.27 GB) for moto's server to move in each test here."""
     dst = tmp_path_factory.mktemp("smollm2-sharded")
     src = embedded_smollm2_except(dst, "model.safetensors")
-    tensors = load_file(src / "model.safetensors")
+    tensors = {k: t.to(torch.bfloat16) for k, t in load_file(src / "model.safetensors").items()}
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").unlink()  # a link to the embedded model's own file, which stays as it is
+    (dst / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
     names = sorted(tensors)
     shards = [names[i::3] for i in range(3)]  # the embeddings land in one of three shards
     weight_map = {}
