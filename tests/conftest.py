@@ -215,53 +215,53 @@ TRAINS = re.compile(r"\brun_train\(|\brun_pipeline\(|\brun_streamed\(|\brun_comp
 
 # What reaches the package index: pip resolving a dependency set without installing it.
 RESOLVES = re.compile(r"[\"']--dry-run[\"']")
+# The tiers read from the source: a marker each, and what puts a test in it.
+FROM_SOURCE = {"train": TRAINS, "index": RESOLVES}
 
 
-def _calls(item, pattern: re.Pattern) -> bool:
-    """The test's body, its fixtures', or a helper of its module they call (transitively) matches."""
+def _tiers_from_source(item) -> set[str]:
+    """The FROM_SOURCE tiers whose pattern the test's body, its fixtures', or a helper of its module they
+    call (transitively) matches: one walk for every tier."""
     funcs = [getattr(item, "function", None)]
     for defs in getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).values():
         funcs += [d.func for d in defs]
     module = getattr(item, "module", None)
     seen: set = set()
-    while funcs:
+    tiers: set[str] = set()
+    while funcs and len(tiers) < len(FROM_SOURCE):
         f = funcs.pop()
         if f is None or f in seen:
             continue
         seen.add(f)
-        found, called = _scan(f, pattern)
-        if found:
-            return True
+        found, called = _scan(f)
+        tiers |= found
         funcs += [h for name in called if inspect.isfunction(h := getattr(module, name, None))
                   and h.__module__ == getattr(module, "__name__", None)]
-    return False
+    return tiers
 
 
 @functools.cache
-def _scan(f, pattern: re.Pattern) -> tuple[bool, frozenset[str]]:
-    """Whether f's source matches, and the plain names it calls (parsed once per function and pattern:
+def _scan(f) -> tuple[frozenset[str], frozenset[str]]:
+    """The FROM_SOURCE tiers f's source matches, and the plain names it calls (parsed once per function:
     collection asks this for every parameter of every test)."""
     import ast
 
     try:
         src = inspect.getsource(f)
     except (OSError, TypeError):
-        return False, frozenset()
-    if pattern.search(src):
-        return True, frozenset()
+        return frozenset(), frozenset()
+    found = frozenset(tier for tier, pattern in FROM_SOURCE.items() if pattern.search(src))
     try:
         tree = ast.parse(inspect.cleandoc(src) if src[0].isspace() else src)
     except SyntaxError:
-        return False, frozenset()
-    return False, frozenset(n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name))
+        return found, frozenset()
+    return found, frozenset(n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name))
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if not item.get_closest_marker("train") and _calls(item, TRAINS):
-            item.add_marker(pytest.mark.train)
-        if not item.get_closest_marker("index") and _calls(item, RESOLVES):
-            item.add_marker(pytest.mark.index)
+        for tier in _tiers_from_source(item):
+            item.add_marker(getattr(pytest.mark, tier))
         params = getattr(getattr(item, "callspec", None), "params", {})
         if {"moto_server", "bucket"} & set(item.fixturenames) or params.get("store_uri") == "s3":
             item.add_marker(pytest.mark.s3)
