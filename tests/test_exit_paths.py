@@ -3,7 +3,7 @@ in the store and on disk, and what a rerun does. One test per row of that table.
 
 Each run is `eagle-jobs capture` in its own process, as a user runs it, on the tiny Kimi-shaped
 verifier. The rows about a server (unavailable, SIGTERM, SIGKILL) use stand-ins for `vllm` that the
-stage starts itself, as it starts real vLLM (tests/test_vllm_lifetime.py does SIGKILL on real vLLM):
+stage starts itself, as it starts real vLLM (tests/test_stream.py SIGKILLs a stage serving real vLLM):
 tests/fake_vllm.py's server slowed to one answer a second, and a `vllm` that fails at start.
 """
 

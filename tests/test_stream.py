@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
+from test_exit_paths import MARK, wait_gone  # processes that carry a run's marker
 from test_resume import kill_pod, read_lines, wait_for
 
 from eagle_jobs import stream, vllm_cpu
@@ -217,11 +222,13 @@ def test_keep_mode_stages_each_shard_on_local_disk_so_later_epochs_read_none_fro
     assert {staged_name(f, i) for m in manifests for f, i in m["files"].items()} <= on_disk
 
 
-def start(recipe_path: Path, tmp_path: Path, name: str, *command: str) -> subprocess.Popen:
-    """`eagle-jobs <command>` in a process of its own, with test_resume's step spy (epoch, step, sample indices)."""
+def start(recipe_path: Path, tmp_path: Path, name: str, *command: str, mark: str = "") -> subprocess.Popen:
+    """`eagle-jobs <command>` in a process of its own, with test_resume's step spy (epoch, step, sample indices);
+    `mark`: test_exit_paths' marker in its environment, which every process it starts inherits."""
     env = {**os.environ, "EAGLE_JOBS_WORK_DIR": str(tmp_path / f"work-{name}"),
            "STEP_LOG": str(tmp_path / f"{name}.steps.jsonl"),
-           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           **({MARK: mark} if mark else {})}
     out = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - read while it runs
     return subprocess.Popen([sys.executable, "-c", "import test_resume; test_resume.spied_pod_main()", *command,
                              "--recipe", str(recipe_path)], env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -237,9 +244,9 @@ def _captured(tiny_recipe, tmp_path: Path, bucket: str, backend: str = "transfor
 
 
 def _kill_mid_stream(recipe, tmp_path: Path, proc: subprocess.Popen, name: str,
-                     after: set[str] = frozenset()) -> set[str]:
-    """SIGKILL `proc` (and what it started) once training has finished with some shards (4, or 2 more
-    than `after`) and extraction is not done; the shards consumed then."""
+                     after: set[str] = frozenset(), kill=kill_pod) -> set[str]:
+    """SIGKILL `proc` (and, by default, what it started) once training has finished with some shards (4, or 2
+    more than `after`) and extraction is not done; the shards consumed then."""
     watch = Store.open(recipe.store.uri)
 
     def mid_stream() -> bool:
@@ -249,7 +256,7 @@ def _kill_mid_stream(recipe, tmp_path: Path, proc: subprocess.Popen, name: str,
                 and not Stage(watch, "r", "extract").is_complete())
 
     wait_for(proc, tmp_path / f"{name}.log", "consumed shards mid-stream", mid_stream, timeout=600)
-    kill_pod(proc)
+    kill(proc)
     return stream.consumed(Store.open(recipe.store.uri), "r")
 
 
@@ -283,19 +290,81 @@ def _nothing_lost_nothing_twice(recipe, tmp_path: Path, consumed_at_kill: set[st
         assert sorted(seen) == list(range(n)), (epoch, sorted(seen))
 
 
+class Stranger:
+    """What an earlier, killed run leaves on the port: healthy, serving the same model id."""
+
+    def __init__(self, port: int, model_id: str):
+        self.requests: list[str] = []
+        stranger = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _answer(self, body: dict | str) -> None:
+                stranger.requests.append(f"{self.command} {self.path}")
+                data = (body if isinstance(body, str) else json.dumps(body)).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._answer("" if self.path == "/health" else {"data": [{"id": model_id}]})
+
+            def do_POST(self):
+                self._answer({})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 @pytest.mark.vllm
 @pytest.mark.e2e
 @pytest.mark.skipif(not vllm_cpu.is_cpu_build(), reason="vllm-cpu installs on Linux x86-64 only")
 def test_a_sigkill_mid_stream_resumes_with_no_shard_lost_and_no_sample_trained_twice(tiny_recipe, tmp_path, bucket):
-    """Issue 22's done-when: on moto's S3, with the extraction of real vLLM. `eagle-jobs run` runs both sides
-    in one process: the kill takes both at once. (The transformers backend's extraction is killed and
-    resumed in test_either_side_killed_alone_resumes_while_the_other_goes_on.)"""
+    """Issue 22's done-when, on moto's S3 with the extraction of real vLLM; and a stage's vLLM server lives and
+    dies with the stage. `eagle-jobs run` runs both sides in one process: SIGKILL to that process alone takes
+    both at once, and its guard takes the server along: nothing carrying the run's marker (the stage, the
+    guard, `vllm serve`, vLLM's engine core and worker, spawned or forked) is left on the machine. The rerun
+    finds an earlier server healthy on the recipe's port, serving the same model id, and never uses it.
+    (The transformers backend's extraction is killed and resumed in
+    test_either_side_killed_alone_resumes_while_the_other_goes_on.)"""
+    from eagle_jobs.weights import resolve_path
+
+    tree: list[list[str]] = []
+
+    def kill_the_stage_alone(proc: subprocess.Popen) -> None:
+        """SIGKILL to the stage's own process only, noting what it had started: that must go by its guard."""
+        tree.extend(c.cmdline() for c in psutil.Process(proc.pid).children(recursive=True))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
     recipe, rfile = _captured(tiny_recipe, tmp_path, bucket, "vllm")
     run = ("run", "--stages", "extract,train")
-    consumed = _kill_mid_stream(recipe, tmp_path, start(rfile, tmp_path, "run1", *run), "run1")
-    run2 = start(rfile, tmp_path, "run2", *run)
-    assert run2.wait(timeout=900) == 0, (tmp_path / "run2.log").read_text()[-3000:]
+    first, second = uuid.uuid4().hex, uuid.uuid4().hex
+    consumed = _kill_mid_stream(recipe, tmp_path, start(rfile, tmp_path, "run1", *run, mark=first), "run1",
+                                kill=kill_the_stage_alone)
+    # what was running: the guard, `vllm serve`, and vLLM's own engine core
+    assert any("eagle_jobs.vllm_guard" in c for c in tree) and any("serve" in c for c in tree)
+    assert len(tree) >= 4, tree
+    assert wait_gone(first, 150) == []  # the guard saw the stage go and stopped everything
+
+    port = recipe.extract.vllm.port
+    stranger = Stranger(port, resolve_path(recipe.verifier))  # what `vllm serve` names the model
+    try:
+        run2 = start(rfile, tmp_path, "run2", *run, mark=second)
+        assert run2.wait(timeout=900) == 0, (tmp_path / "run2.log").read_text()[-3000:]
+    finally:
+        stranger.stop()
     log2 = (tmp_path / "run2.log").read_text()
+    assert stranger.requests == [], stranger.requests
+    assert f"port {port} is taken" in log2 and "this stage's vLLM server uses port" in log2
+    assert wait_gone(second, 150) == []
     assert "streamed into train" in log2  # `eagle-jobs run` ran the two as one step
     assert "vllm-extract-0.log" in log2  # the extraction was real vLLM's, a fresh server for the rerun
     _nothing_lost_nothing_twice(recipe, tmp_path, consumed, ["run1", "run2"], ["run1", "run2"])
