@@ -108,9 +108,14 @@ def wait_for(proc: subprocess.Popen, log: Path, what: str, ready, timeout: float
         time.sleep(0.02)
 
 
+def read_json(stage: Stage, manifest: dict, name: str):
+    """A JSON file of a committed shard, checked against its manifest's entry."""
+    key = f"{manifest['shard']}/{name}"
+    return json.loads(stage.read(key, manifest["files"][key]))
+
+
 def read_final(stage: Stage, name: str):
-    m = stage.manifest("final")
-    return json.loads(stage.read(f"final/{name}", m["files"][f"final/{name}"]))
+    return read_json(stage, stage.manifest("final"), name)
 
 
 # -- issue 20 item 7: a kill costs at most one interval ---------------------------------------------
@@ -209,8 +214,7 @@ def test_two_ranks_resume_the_lr_schedule_where_it_stopped(tiny_recipe, tmp_path
     assert exits == {"0": "143", "1": "143"}  # both ranks stopped and saved, neither was killed in a collective
     newest = max(committed_checkpoints(stage), key=checkpoint_order)
     assert newest["local_step"] >= 2 and not stage.is_complete(), newest  # the SIGTERM save: mid-epoch
-    name = newest["shard"]
-    before = json.loads(stage.read(f"{name}/metrics.json", newest["files"][f"{name}/metrics.json"]))
+    before = read_json(stage, newest, "metrics.json")
 
     rec = run_train(recipe, st, "r", work_dir=tmp_path / "w3")
     assert lr_per_step(rec["metrics"]) == expected
