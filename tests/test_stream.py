@@ -330,7 +330,7 @@ def test_a_sigkill_mid_stream_resumes_with_no_shard_lost_and_no_sample_trained_t
     """Issue 22's done-when, on moto's S3 with the extraction of real vLLM; and a stage's vLLM server lives and
     dies with the stage. `eagle-jobs run` runs both sides in one process: SIGKILL to that process alone takes
     both at once, and its guard takes the server along: nothing carrying the run's marker (the stage, the
-    guard, `vllm serve`, vLLM's engine core and worker, spawned or forked) is left on the machine. The rerun
+    guard, `vllm serve`, vLLM's engine core and any process it spawned or forked) is left on the machine. The rerun
     finds an earlier server healthy on the recipe's port, serving the same model id, and never uses it.
     (The transformers backend's extraction is killed and resumed in
     test_either_side_killed_alone_resumes_while_the_other_goes_on.)"""

@@ -334,3 +334,23 @@ def test_e_every_core_runs_the_model(monkeypatch):
     assert vllm.envs.VLLM_CPU_NUM_OF_RESERVED_CPU is None
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", env["VLLM_CPU_NUM_OF_RESERVED_CPU"])
     assert vllm.envs.VLLM_CPU_NUM_OF_RESERVED_CPU == 0
+
+
+def test_f_the_engine_core_runs_the_model_itself(eagle3_server, monkeypatch):
+    """(f) A served model's processes: the API server and its engine core, with no worker beside them."""
+    import psutil
+    import vllm.envs
+
+    env = vllm_cpu.serve_env({})
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert vllm_cpu.serve_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", env["VLLM_ENABLE_V1_MULTIPROCESSING"])
+    assert vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING is False  # vLLM's own name: a misspelt one leaves True
+    base, _draft = eagle3_server
+    port = int(base.rsplit(":", 1)[1])
+    api = next(psutil.Process(c.pid) for c in psutil.net_connections("tcp")
+               if c.laddr.port == port and c.status == psutil.CONN_LISTEN)
+    names = [p.name() for p in api.children(recursive=True)]
+    # vLLM names its processes (setproctitle): VLLM::EngineCore, and VLLM::Worker where one is spawned
+    assert sum(n.startswith("VLLM::EngineCore") for n in names) == 1, names
+    assert not [n for n in names if "Worker" in n], names
