@@ -13,6 +13,7 @@ from eagle_jobs import cluster
 from eagle_jobs.cluster import WatchExit
 from eagle_jobs.errors import BadInput
 from eagle_jobs.layout import STAGES
+from conftest import kustomize
 
 REPO = Path(__file__).resolve().parents[1]
 NS = "eagle-jobs"
@@ -50,11 +51,7 @@ COLLECTIONS = {"Namespace": "/api/v1/namespaces", "ServiceAccount": f"/api/v1/na
 
 def admin_setup(fake) -> None:
     """k8s/cluster-setup as an admin's `kubectl apply -k` leaves it: owned by kubectl's field manager."""
-    import subprocess
-
-    out = subprocess.run(["kubectl", "kustomize", str(REPO / "k8s/cluster-setup")], capture_output=True, text=True,
-                         check=True).stdout
-    for d in yaml.safe_load_all(out):
+    for d in kustomize(REPO / "k8s/cluster-setup"):
         d["metadata"]["managedFields"] = [{"manager": "kubectl-client-side-apply", "operation": "Update"}]
         fake.put(COLLECTIONS[d["kind"]], d)
     fake.requests.clear()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import kustomize
 
 REPO = Path(__file__).resolve().parents[1]
 OVERLAYS = ["dev", "smoke", "full", "full-multinode"]
@@ -33,15 +34,7 @@ MIRRORED = {"dev": False, "smoke": True, "full": True, "full-multinode": True}
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[dict]]:
-    kubectl = shutil.which("kubectl")
-    assert kubectl, ("kubectl not found: install kubectl >= 1.32 (kustomize 5.5 is built in), e.g. "
-                     "apt-get install kubectl, or see https://kubernetes.io/docs/tasks/tools/")
-    out = {}
-    for o in OVERLAYS:
-        r = subprocess.run([kubectl, "kustomize", str(REPO / "k8s/overlays" / o)], capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-        out[o] = [d for d in yaml.safe_load_all(r.stdout) if d]
-    return out
+    return {o: kustomize(REPO / "k8s/overlays" / o) for o in OVERLAYS}
 
 
 SHARED = ["cluster-setup", "dev-services"]  # applied once per cluster, never by a run
@@ -49,12 +42,7 @@ SHARED = ["cluster-setup", "dev-services"]  # applied once per cluster, never by
 
 @pytest.fixture(scope="module")
 def shared_rendered() -> dict[str, list[dict]]:
-    out = {}
-    for k in SHARED:
-        r = subprocess.run(["kubectl", "kustomize", str(REPO / "k8s" / k)], capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-        out[k] = [d for d in yaml.safe_load_all(r.stdout) if d]
-    return out
+    return {k: kustomize(REPO / "k8s" / k) for k in SHARED}
 
 
 def _jobset(docs) -> dict:
@@ -106,9 +94,7 @@ def _render_overlay(tmp_path: Path, kustomization: dict, files: dict[str, str] |
     (ovl / "kustomization.yaml").write_text(yaml.safe_dump(k))
     for name, text in (files or {}).items():
         (ovl / name).write_text(text)
-    r = subprocess.run([shutil.which("kubectl"), "kustomize", str(ovl)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return [d for d in yaml.safe_load_all(r.stdout) if d]
+    return kustomize(ovl)
 
 
 def _printing_vllm(tmp_path: Path) -> Path:
@@ -778,9 +764,7 @@ def test_weights_volume_component_mounts_the_claim_read_only_where_the_verifier_
 
 
 def test_monitoring_scrapes_the_vllm_port_and_only_prometheus_may_reach_it(rendered):
-    r = subprocess.run(["kubectl", "kustomize", str(REPO / "k8s/monitoring")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    docs = {d["kind"]: d for d in yaml.safe_load_all(r.stdout) if d}
+    docs = {d["kind"]: d for d in kustomize(REPO / "k8s/monitoring")}
     pm, pol = docs["PodMonitor"], docs["NetworkPolicy"]
     assert pm["metadata"]["namespace"] == pol["metadata"]["namespace"] == "eagle-jobs"
     js = _jobset(rendered["full"])

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import kustomize
 
 REPO = Path(__file__).resolve().parents[1]
 OVERLAYS = ["dev", "smoke", "full", "full-multinode"]
@@ -28,15 +27,9 @@ NS = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "eagle-jobs"
 DIGEST = "@sha256:" + "ab" * 32
 
 
-def _render(path: Path) -> list[dict]:
-    r = subprocess.run([shutil.which("kubectl"), "kustomize", str(path)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return [d for d in yaml.safe_load_all(r.stdout) if d]
-
-
 @pytest.fixture(scope="module")
 def jobsets() -> dict[str, dict]:
-    return {o: next(d for d in _render(REPO / "k8s/overlays" / o) if d["kind"] == "JobSet") for o in OVERLAYS}
+    return {o: next(d for d in kustomize(REPO / "k8s/overlays" / o) if d["kind"] == "JobSet") for o in OVERLAYS}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +37,7 @@ def policy():
     """(policy, binding) of k8s/cluster-setup, and the policy's expressions compiled by cel-python."""
     import celpy
 
-    docs = _render(REPO / "k8s/cluster-setup")
+    docs = kustomize(REPO / "k8s/cluster-setup")
     (vap,) = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"]
     (binding,) = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"]
     env = celpy.Environment()
@@ -108,7 +101,7 @@ def test_with_the_weights_volume_the_sidecar_gets_no_secret(tmp_path):
     (ovl / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": [f"{rel}/base"],
         "components": [f"{rel}/components/{c}" for c in ("blackwell-8gpu", "vllm-sidecar", "weights-volume")]}))
-    js = next(d for d in _render(ovl) if d["kind"] == "JobSet")
+    js = next(d for d in kustomize(ovl) if d["kind"] == "JobSet")
     assert {s for _stage, c in _sidecars(js) if c["name"] == "vllm" for s in _secrets(c)} == set()
 
 
@@ -176,6 +169,6 @@ def test_the_policy_binds_to_this_namespace_only_and_denies(policy):
     # cluster-scoped: neither carries a namespace (kustomize would add one to kinds it does not know)
     assert "namespace" not in vap["metadata"] and "namespace" not in binding["metadata"]
     # the submitter may change neither: its Role has no admissionregistration and no namespaces
-    role = next(d for d in _render(REPO / "k8s/cluster-setup") if d["kind"] == "Role")
+    role = next(d for d in kustomize(REPO / "k8s/cluster-setup") if d["kind"] == "Role")
     assert not any(g in r["apiGroups"] for r in role["rules"] for g in ("admissionregistration.k8s.io", "*"))
     assert not any("namespaces" in r["resources"] for r in role["rules"])

@@ -9,7 +9,6 @@ least what `eagle-jobs plan` says it must cover for the overlay's own recipe.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import kustomize
 
 REPO = Path(__file__).resolve().parents[1]
 OVERLAYS = ["dev", "smoke", "full", "full-multinode"]
@@ -26,12 +26,7 @@ VLLM_STAGES = ["capture", "extract", "evaluate"]
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[dict]]:
-    out = {}
-    for o in OVERLAYS:
-        r = subprocess.run([shutil.which("kubectl"), "kustomize", str(REPO / "k8s/overlays" / o)],
-                           capture_output=True, text=True, check=True)
-        out[o] = [d for d in yaml.safe_load_all(r.stdout) if d]
-    return out
+    return {o: kustomize(REPO / "k8s/overlays" / o) for o in OVERLAYS}
 
 
 def _jobset(docs: list[dict]) -> dict:

@@ -11,17 +11,15 @@ exited with. Then the Jobs and pods it leaves go through tests/fake_kube.py to `
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
 from k8s_failure_sim import failed_pod, match_pod_failure_policy, run_jobset
 from test_cluster import JOBS, JS, NS, PODS, kube  # noqa: F401 - kube: the fake API server fixture
 
 from eagle_jobs import cluster
 from eagle_jobs.cluster import WatchExit
+from conftest import kustomize
 
 REPO = Path(__file__).resolve().parents[1]
 OVERLAYS = ["dev", "smoke", "full", "full-multinode"]
@@ -32,9 +30,7 @@ OOM = failed_pod(worker=137)  # the kernel's OOM kill: retried
 def jobsets() -> dict[str, dict]:
     out = {}
     for o in OVERLAYS:
-        r = subprocess.run([shutil.which("kubectl"), "kustomize", str(REPO / "k8s/overlays" / o)],
-                           capture_output=True, text=True, check=True)
-        (out[o],) = [d for d in yaml.safe_load_all(r.stdout) if d and d["kind"] == "JobSet"]
+        (out[o],) = [d for d in kustomize(REPO / "k8s/overlays" / o) if d["kind"] == "JobSet"]
     return out
 
 

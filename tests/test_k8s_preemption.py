@@ -10,7 +10,6 @@ any grace (a spot VM's notice) are bounded by train.checkpoint_every_minutes: th
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,21 +17,16 @@ from pathlib import Path
 import pytest
 import yaml
 from k8s_failure_sim import failed_pod, run_jobset
+from conftest import kustomize
 
 REPO = Path(__file__).resolve().parents[1]
 OVERLAYS = ["dev", "smoke", "full", "full-multinode"]
 SLOW_STORE_BPS = 100e6  # a store slower than this makes the SIGTERM save the operator's to size
 
 
-def _render(path: Path) -> list[dict]:
-    r = subprocess.run([shutil.which("kubectl"), "kustomize", str(path)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return [d for d in yaml.safe_load_all(r.stdout) if d]
-
-
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[dict]]:
-    return {o: _render(REPO / "k8s/overlays" / o) for o in OVERLAYS}
+    return {o: kustomize(REPO / "k8s/overlays" / o) for o in OVERLAYS}
 
 
 def _jobset(docs: list[dict]) -> dict:
@@ -68,7 +62,7 @@ def _overlay(tmp_path: Path, components: list[str]) -> list[dict]:
     (ovl / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "resources": [f"{rel}/base"], "components": [f"{rel}/components/{c}" for c in components]}))
-    return _render(ovl)
+    return kustomize(ovl)
 
 
 def test_the_preemptible_component_lowers_priority_and_lets_the_autoscaler_evict(tmp_path, rendered):
@@ -89,7 +83,7 @@ def test_the_preemptible_component_lowers_priority_and_lets_the_autoscaler_evict
     # without it, nothing changes
     assert all("priorityClassName" not in _pod(_jobset(rendered["full"]), s)["spec"] for s in ("capture", "train"))
     # the class it names is cluster-setup's: below pods with none (0), and never preempting others
-    (pc,) = [d for d in _render(REPO / "k8s/cluster-setup") if d["kind"] == "PriorityClass"]
+    (pc,) = [d for d in kustomize(REPO / "k8s/cluster-setup") if d["kind"] == "PriorityClass"]
     assert pc["metadata"]["name"] == "eagle-jobs-preemptible" and "namespace" not in pc["metadata"]
     assert pc["value"] < 0 and pc["preemptionPolicy"] == "Never" and pc["globalDefault"] is False
     f = tmp_path / "core.yaml"

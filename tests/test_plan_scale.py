@@ -3,7 +3,6 @@
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import yaml
 from eagle_jobs.hsformat import bytes_per_token
 from eagle_jobs.plan import SCALE_MODES, parse_scales, price_mode, scale_basis, scale_markdown, scale_table, make_plan
 from eagle_jobs.recipe import load_recipe
+from conftest import kustomize
 
 REPO = Path(__file__).resolve().parents[1]
 KIMI = REPO / "jobs/kimi-k2.5.yaml"
@@ -232,11 +232,7 @@ def test_kimi_recipe_comment_quotes_the_table(cli_table):
 def test_node_defaults_are_the_full_overlays(kimi):
     """plan.capture_nodes, extract_nodes and gpus_per_node describe k8s/overlays/full as rendered."""
     r, _ = kimi
-    kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl not found: install kubectl >= 1.32 (kustomize is built in)"
-    out = subprocess.run([kubectl, "kustomize", str(REPO / "k8s/overlays/full")], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    js = next(d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "JobSet")
+    js = next(d for d in kustomize(REPO / "k8s/overlays/full") if d["kind"] == "JobSet")
     jobs = {j["name"]: j["template"]["spec"] for j in js["spec"]["replicatedJobs"]}
 
     def gpus(spec):

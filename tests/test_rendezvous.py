@@ -15,15 +15,13 @@ those arguments beside the rendered ones and starts pod 0 only after they have f
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import free_port
+from conftest import free_port, kustomize
 
 from eagle_jobs.errors import BadInput
 from eagle_jobs.rendezvous import torchrun_rendezvous_args
@@ -41,9 +39,7 @@ dist.destroy_process_group()
 
 def _train_env() -> dict[str, str]:
     """The train worker's literal env in the rendered full-multinode overlay."""
-    out = subprocess.run([shutil.which("kubectl"), "kustomize", str(REPO / "k8s/overlays/full-multinode")],
-                         capture_output=True, text=True, check=True).stdout
-    (js,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "JobSet"]
+    (js,) = [d for d in kustomize(REPO / "k8s/overlays/full-multinode") if d["kind"] == "JobSet"]
     (train,) = [rj for rj in js["spec"]["replicatedJobs"] if rj["name"] == "train"]
     worker = train["template"]["spec"]["template"]["spec"]["containers"][0]
     return {e["name"]: e["value"] for e in worker["env"] if "value" in e}
