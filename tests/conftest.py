@@ -61,10 +61,7 @@ def one_torch_thread():
     other, 2026-12-05). Processes a test starts (stages, torchrun ranks, vLLM) keep their own threads."""
     import torch
 
-    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -341,6 +341,8 @@ def test_f_the_engine_core_runs_the_model_itself(eagle3_server, monkeypatch):
     import psutil
     import vllm.envs
 
+    from eagle_jobs.vllm_server import _listener_pids
+
     env = vllm_cpu.serve_env({})
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert vllm_cpu.serve_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
@@ -348,9 +350,8 @@ def test_f_the_engine_core_runs_the_model_itself(eagle3_server, monkeypatch):
     assert vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING is False  # vLLM's own name: a misspelt one leaves True
     base, _draft = eagle3_server
     port = int(base.rsplit(":", 1)[1])
-    api = next(psutil.Process(c.pid) for c in psutil.net_connections("tcp")
-               if c.laddr.port == port and c.status == psutil.CONN_LISTEN)
-    names = [p.name() for p in api.children(recursive=True)]
+    (api,) = _listener_pids(port)
+    names = [p.name() for p in psutil.Process(api).children(recursive=True)]
     # vLLM names its processes (setproctitle): VLLM::EngineCore, and VLLM::Worker where one is spawned
     assert sum(n.startswith("VLLM::EngineCore") for n in names) == 1, names
     assert not [n for n in names if "Worker" in n], names
