@@ -32,12 +32,17 @@ TESTS = Path(__file__).resolve().parent
 def spied_pod_main() -> None:
     """`eagle-jobs train` (argv) with a spy appending one JSON line to $STEP_LOG per finished training
     step (epoch, local step, global step, time, the dataset indices of its batch) and per checkpoint save
-    (after its commit): what a SIGKILL leaves of it says exactly what the killed pod had done."""
+    (after its commit): what a SIGKILL leaves of it says exactly what the killed pod had done. A command
+    that trains nothing (`extract`) runs as it is, without speculators' imports (about 8 CPU-s)."""
+    from eagle_jobs import cli
+
+    if sys.argv[1] not in ("train", "run"):
+        sys.argv = ["eagle-jobs", *sys.argv[1:]]
+        return cli.main()
     from speculators.train.distributed_batch_sampler import (
         MultipackDistributedBatchSamplerV2 as Sampler,
     )
 
-    from eagle_jobs import cli
     from eagle_jobs import speculators_compat as compat
 
     log = open(os.environ["STEP_LOG"], "a", buffering=1)  # noqa: SIM115 - one line, one write

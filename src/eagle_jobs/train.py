@@ -43,7 +43,6 @@ from eagle_jobs.layout import StageName, train_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.store import Stage, Store
-from eagle_jobs.train_data import staged_name
 from eagle_jobs.verifier import load_config, text_config
 
 STAGE = StageName.TRAIN.dir
@@ -67,6 +66,8 @@ class ShardStager:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        from eagle_jobs.train_data import staged_name
+
         used = 0
         for m in self.manifests:
             (fname, info), = m["files"].items()
@@ -317,8 +318,6 @@ def record_rank_exit(code: int) -> None:
 def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None = None,
               work_dir: Path | None = None, variant: str | None = None) -> dict:
     """Train the run's draft on its committed extraction (or, with `variant`, one arm of `compare`)."""
-    from speculators.train.distributed import maybe_destroy_distributed
-
     # 1. the extraction must be the one this draft expects
     info, tcfg, shape = check_extraction(recipe, store, run_id)
     work = Path(work_dir or os.environ.get("EAGLE_JOBS_WORK_DIR") or Path.home() / ".cache/eagle-jobs/work") / run_id
@@ -328,6 +327,10 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     launched = launch_ranks(recipe, store, run_id, max_steps, work, variant)  # world size > 1: torchrun's ranks
     if launched is not None:
         return launched
+    # speculators (about 8 s of imports) only here, in the process that trains: torchrun's launcher above
+    # starts the ranks without it
+    from speculators.train.distributed import maybe_destroy_distributed
+
     # 2. this rank: speculators adapted, the device's attention, loss and state dtype
     rank = RankSetup.create(recipe)
     # 3. vocab mapping from loss-masked token frequencies
@@ -431,6 +434,8 @@ class TrainData:
         from speculators.train.dataloader import _setup_dataloader
         from speculators.train.distributed import get_local_rank
 
+        from eagle_jobs.train_data import StoreHiddenStatesDataset, staged_name
+
         if recipe.train.source == "stream":
             return cls.streamed(recipe, store, run_id, info, shape, work, hs_dtype)
 
@@ -445,7 +450,6 @@ class TrainData:
                     items[e["split"]].append((fname, staged_name(fname, finfo), e))
         if not items["train"]:
             raise BadInput(f"run '{run_id}' has no training samples with loss tokens")
-        from eagle_jobs.train_data import StoreHiddenStatesDataset
 
         T = recipe.train.total_seq_len
 
