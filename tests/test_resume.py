@@ -36,8 +36,8 @@ def spied_pod_main() -> None:
     that trains nothing (`extract`) runs as it is, without speculators' imports (about 8 CPU-s)."""
     from eagle_jobs import cli
 
+    sys.argv = ["eagle-jobs", *sys.argv[1:]]
     if sys.argv[1] not in ("train", "run"):
-        sys.argv = ["eagle-jobs", *sys.argv[1:]]
         return cli.main()
     from speculators.train.distributed_batch_sampler import (
         MultipackDistributedBatchSamplerV2 as Sampler,
@@ -68,7 +68,6 @@ def spied_pod_main() -> None:
 
     Sampler.__iter__, compat.StoreTrainer.train_epoch = batches, train_epoch
     compat.StoreTrainer.maybe_save_checkpoint = save
-    sys.argv = ["eagle-jobs", *sys.argv[1:]]
     cli.main()
 
 
