@@ -54,7 +54,7 @@ ifeq ($(VLLM_CPU),yes)
 	  sys.exit(f"CUDA builds that break vllm serve on CPU were installed: {c()}" if c() else 0)'
 	# the bytecode of what vLLM's server and every stage import, written here by two imports side by side
 	$(BIN)/python -c 'import vllm.entrypoints.openai.api_server' > $(VENV)/warm-vllm.log 2>&1 & \
-	  $(BIN)/python -c '$(WARM_IMPORTS)' && wait $$! || { cat $(VENV)/warm-vllm.log; exit 1; }
+	  $(BIN)/python -c '$(WARM_IMPORTS)' && { wait $$! || { cat $(VENV)/warm-vllm.log; exit 1; }; }
 else
 	$(UV_INSTALL) -e '.[test]'
 	$(BIN)/python -c '$(WARM_IMPORTS)'
