@@ -217,7 +217,10 @@ def test_two_ranks_resume_the_lr_schedule_where_it_stopped(tiny_recipe, tmp_path
     exits = {p.name: p.read_text() for p in (tmp_path / "work-pod2/r/rank-exits").iterdir()}
     assert exits == {"0": "143", "1": "143"}  # both ranks stopped and saved, neither was killed in a collective
     newest = max(committed_checkpoints(stage), key=checkpoint_order)
-    assert newest["local_step"] >= 2 and not stage.is_complete(), newest  # the SIGTERM save: mid-epoch
+    # the SIGTERM save: mid-epoch. Not necessarily at the step the log showed: the signal goes through the
+    # pod's main process and torchrun to the ranks, and on a fast CPU (tiny steps) they had finished epoch 1,
+    # committed it and run a step of epoch 2 by then (local_step 1, 2026-12-06)
+    assert newest["local_step"] >= 1 and not stage.is_complete(), newest
     before = read_json(stage, newest, "metrics.json")
 
     rec = run_train(recipe, st, "r", work_dir=tmp_path / "w3")
