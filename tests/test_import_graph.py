@@ -1,5 +1,6 @@
 """The package's import graph has no circle (lazy imports inside functions count: they are still
-dependencies), and the stages are peers: none imports another (docs/ARCHITECTURE.md)."""
+dependencies), and the stages are peers: none imports another (docs/ARCHITECTURE.md). No function in the
+package is over 80 lines."""
 
 import ast
 from pathlib import Path
@@ -63,3 +64,25 @@ def test_the_circle_finder_finds_one():
 def test_stages_are_peers():
     graph = import_graph()
     assert {s: graph[s] & STAGES for s in STAGES} == {s: set() for s in STAGES}
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(source: str) -> list[tuple[str, int]]:
+    return [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_no_function_is_over_80_lines():
+    """A stage reads as its steps, each a named function (issue 23 item 2): held for the whole package."""
+    found = {path.relative_to(SRC).as_posix(): long for path in SRC.rglob("*.py")
+             if (long := long_functions(path.read_text()))}
+    assert found == {}
+
+
+def test_the_length_check_finds_a_long_function():
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    assert long_functions(f"def f():\n{body}") == [("f", MAX_FUNCTION_LINES + 1)]
+    assert long_functions("def g():\n    pass\n") == []

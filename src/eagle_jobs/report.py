@@ -57,14 +57,25 @@ def _validation(metrics: list[dict], train_key: str) -> list[tuple[int, float]]:
 
 
 def write_report(report: EvalReport, metrics: list[dict]) -> dict[str, bytes]:
+    """report.md, report.json and the PNGs report.md shows, by file name."""
     import matplotlib
 
     matplotlib.use("Agg")
+    files = {"training.png": _training_png(report, metrics), "acceptance.png": _acceptance_png(report),
+             "tau.png": _tau_png(report)}
+    speed_png = _speedup_png(report)
+    if speed_png is not None:
+        files["speedup.png"] = speed_png
+    files["report.md"] = _markdown(report, with_speedup_plot=speed_png is not None).encode()
+    files["report.json"] = json.dumps({k: v for k, v in report.items() if k != "outputs"}, indent=1).encode()
+    return files
+
+
+def _training_png(report: EvalReport, metrics: list[dict]) -> bytes:
+    """Training loss and per-step accuracy over steps (raw values faint, their EMA on top, each epoch's
+    held-out validation as points at its last step); the held-out tau estimate per epoch, exported starred."""
     import matplotlib.pyplot as plt
 
-    files: dict[str, bytes] = {}
-    # 1. training loss and per-step accuracy over steps (raw values faint, their EMA on top, each epoch's
-    # held-out validation as points at its last step); the held-out tau estimate per epoch, exported starred
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 3.6))
     ends = _epoch_end_steps(metrics)
     for ax, prefix, skip in ((ax1, "loss", {"loss_sum", "loss_total"}), (ax2, "full_acc", set())):
@@ -97,9 +108,15 @@ def write_report(report: EvalReport, metrics: list[dict]) -> dict[str, bytes]:
                 ax.axvline(ends[sel["epoch"]], color="tab:red", lw=0.8, ls="--")
     ax3.set_title("held-out tau estimate per epoch\n(red: the exported epoch)", fontsize=9)
     ax3.set(xlabel="epoch")
-    files["training.png"] = _png(fig)
+    png = _png(fig)
     plt.close(fig)
-    # 2. per-position acceptance, trained vs untrained
+    return png
+
+
+def _acceptance_png(report: EvalReport) -> bytes:
+    """Per-position acceptance, trained against untrained."""
+    import matplotlib.pyplot as plt
+
     k = report["num_speculative_tokens"]
     fig, ax = plt.subplots(figsize=(5, 3.4))
     xs = list(range(1, k + 1))
@@ -108,9 +125,16 @@ def write_report(report: EvalReport, metrics: list[dict]) -> dict[str, bytes]:
         ax.bar([x + 0.2 for x in xs], base_per, width=0.4, label="untrained draft")
     ax.set(title="acceptance by draft position", xlabel="position", ylabel="rate", ylim=(0, 1), xticks=xs)
     ax.legend(fontsize=8)
-    files["acceptance.png"] = _png(fig)
+    png = _png(fig)
     plt.close(fig)
-    # 3. tau against the baseline
+    return png
+
+
+def _tau_png(report: EvalReport) -> bytes:
+    """Tau against the untrained baseline and the teacher-forced estimate."""
+    import matplotlib.pyplot as plt
+
+    k = report["num_speculative_tokens"]
     fig, ax = plt.subplots(figsize=(4.5, 3.4))
     names, vals = ["trained"], [report["acceptance_length"]]
     if (untrained := report.get("baseline_acceptance_length")) is not None:
@@ -124,12 +148,13 @@ def write_report(report: EvalReport, metrics: list[dict]) -> dict[str, bytes]:
     ax.set(title=f"acceptance length tau (k={k})", ylim=(0, k + 1))
     for i, v in enumerate(vals):
         ax.text(i, v + 0.05, f"{v:.2f}", ha="center")
-    files["tau.png"] = _png(fig)
+    png = _png(fig)
     plt.close(fig)
+    return png
 
-    speed_png = _speedup_png(report)
-    if speed_png is not None:
-        files["speedup.png"] = speed_png
+
+def _markdown(report: EvalReport, with_speedup_plot: bool) -> str:
+    k = report["num_speculative_tokens"]
     base = report.get("baseline_acceptance_length")
     tf = report.get("teacher_forced_estimate")
     per = ", ".join(f"{p:.2f}" for p in report["per_position_acceptance"])
@@ -149,12 +174,10 @@ def write_report(report: EvalReport, metrics: list[dict]) -> dict[str, bytes]:
         "tau = tokens per verifier forward, bonus token included (vLLM's 1 + accepted/drafts).", "",
         *_per_set_table(report),
         *_speedup_table(report),
-        *(["![speedup against concurrency](speedup.png)", ""] if speed_png is not None else []),
+        *(["![speedup against concurrency](speedup.png)", ""] if with_speedup_plot else []),
         "![training](training.png)", "", "![acceptance by position](acceptance.png)", "", "![tau](tau.png)", "",
     ]
-    files["report.md"] = "\n".join(md).encode()
-    files["report.json"] = json.dumps({k2: v for k2, v in report.items() if k2 != "outputs"}, indent=1).encode()
-    return files
+    return "\n".join(md)
 
 
 def _per_set_table(report: EvalReport) -> list[str]:
