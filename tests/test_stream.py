@@ -102,6 +102,25 @@ def test_stream_groups_hold_consecutive_shards_up_to_the_group_size():
     assert all(len(g) == 1 or sum(s.planned_bytes for s in g) <= 7_000 for g in groups)
 
 
+def test_a_restarted_extractor_skips_a_shard_training_consumes_while_it_lists(tmp_path):
+    """Training consumes a committed shard (marker, then its data deleted) just as a restarted extractor
+    checks whether that shard is committed: the extractor still skips it. Listing the consumed markers
+    before the commits, it extracted that shard again (once in a full run, 2026-12-06)."""
+    stage = Stage(Store.open(f"file://{tmp_path}/s"), "r", "extract")
+    shards = [stream.StreamShard(name, 0, 0, "train", (), 1) for name in ("a", "b", "c")]
+    for s in shards[:2]:
+        stage.commit_shard(s.name, {s.fname: b"x"}, {})
+    real = stage.is_committed
+
+    def consumed_meanwhile(name: str) -> bool:
+        if name == "a":  # the trainer finishes with it now
+            stream.mark_consumed(stage.store, "r", shards[:1], delete=True, at={})
+        return real(name)
+
+    stage.is_committed = consumed_meanwhile
+    assert [s.name for s in stream.unfinished(stage, shards)] == ["c"]
+
+
 @pytest.mark.parametrize(("store", "want"), [
     ({}, "train.source stream needs store.window_bytes"),
     ({"window_bytes": 1000}, "store.window_bytes 1,000 is below 8 x extract.shard_bytes"),

@@ -298,9 +298,7 @@ def shard_plan(recipe: Recipe, worker: ShardWorker, rows: list[Row], bpt: int
     shards = stream.worker_stream(rows, bpt, recipe.extract.shard_bytes, worker.index, worker.count, passes)
     by_id = {r["row_id"]: r for r in rows}
     store, run_id = worker.stage.store, worker.stage.run_id
-    done = stream.consumed(store, run_id)
-    todo = [(s.name, [by_id[i] for i in s.row_ids]) for s in shards
-            if s.name not in done and not worker.stage.is_committed(s.name)]
+    todo = [(s.name, [by_id[i] for i in s.row_ids]) for s in stream.unfinished(worker.stage, shards)]
     order = stream.stream_order(rows, bpt, recipe.extract.shard_bytes, worker.count, passes)
     window = stream.Window(store, run_id, recipe.store.window_bytes or 0, [s.name for s in order])
     return [[by_id[i] for i in s.row_ids] for s in shards], todo, window.wait

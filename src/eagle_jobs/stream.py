@@ -120,6 +120,18 @@ def consumed(store: Store, run_id: str) -> set[str]:
             if k.endswith(".json")}
 
 
+def unfinished(stage: Stage, shards: Sequence[StreamShard]) -> list[StreamShard]:
+    """The shards a (restarted) extractor still has to commit: neither committed nor consumed.
+
+    Committed first, consumed second: training writes the consumed marker before it deletes the data
+    (`mark_consumed`), so a shard whose data goes between the two reads is in the second. Read the other
+    way round, such a shard was neither, and extracted and committed again beside a running trainer
+    (tests/test_stream.py, 2026-12-06)."""
+    pending = [s for s in shards if not stage.is_committed(s.name)]
+    done = consumed(stage.store, stage.run_id)
+    return [s for s in pending if s.name not in done]
+
+
 def mark_consumed(store: Store, run_id: str, shards: Sequence[StreamShard], delete: bool, at: dict) -> None:
     """The marker first, then the delete: a crash between them leaves a consumed shard's bytes,
     never a missing shard that is not marked (which a restarted extractor would redo)."""
