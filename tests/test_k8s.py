@@ -830,4 +830,5 @@ def test_dev_sidecars_serve_the_demo_on_cpu_where_probes_and_workers_look(render
         assert {sidecar[p]["httpGet"]["port"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} == {port}
         assert _container_env(worker, cms)["EAGLE_JOBS_VLLM_ENDPOINT"] == f"http://127.0.0.1:{port}"
         if vllm_cpu.is_cpu_build():
-            assert cmd[-len(vllm_cpu.serve_args()):] == vllm_cpu.serve_args()  # eager, native rope, CPU_MLA: exact on CPU
+            cpu_args = vllm_cpu.serve_args()
+            assert cmd[-len(cpu_args):] == cpu_args  # eager, native rope, CPU_MLA: exact on CPU

