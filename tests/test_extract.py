@@ -4,7 +4,7 @@ import torch
 from eagle_jobs import extract as ex_mod
 from eagle_jobs import sharding
 from eagle_jobs.capture import run_capture
-from eagle_jobs.committed import extraction_info, read_rows, read_sample
+from eagle_jobs.committed import RowRef, extraction_info, read_rows, read_sample
 from eagle_jobs.errors import BadInput
 from eagle_jobs.extract import run_extract
 from eagle_jobs.records import Extracted, RowStates
@@ -312,11 +312,13 @@ def test_shards_hold_rows_of_similar_length_and_pad_little():
 
     rnd = random.Random(0)
     rows = [{"row_id": f"{i:04d}", "input_ids": [0] * rnd.randint(50, 400)} for i in range(200)]
-    plan = sharding.plan_shards(rows, 100, 100 * 6000)
+    refs = [RowRef(r["row_id"], "train", len(r["input_ids"]), 1, "s", 0, 0) for r in rows]
+    by_id = {r["row_id"]: r for r in rows}
+    plan = [[by_id[r.row_id] for r in s] for s in sharding.plan_shards(refs, 100, 100 * 6000)]
     assert sorted(r["row_id"] for s in plan for r in s) == sorted(r["row_id"] for r in rows)
     assert all(max(len(r["input_ids"]) for r in a) <= min(len(r["input_ids"]) for r in b)
                for a, b in zip(plan, plan[1:]))
-    assert sharding.plan_shards(list(reversed(rows)), 100, 100 * 6000) == plan
+    assert sharding.plan_shards(list(reversed(refs)), 100, 100 * 6000) == sharding.plan_shards(refs, 100, 100 * 6000)
 
     def padded(batches):
         return sum(len(b) * max(len(r["input_ids"]) for r in b) for b in batches)

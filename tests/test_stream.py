@@ -27,7 +27,7 @@ from test_resume import kill_pod, read_lines, wait_for
 
 from eagle_jobs import stream, vllm_cpu
 from eagle_jobs.capture import run_capture
-from eagle_jobs.committed import read_rows
+from eagle_jobs.committed import RowRef, read_rows
 from eagle_jobs.errors import BadInput
 from eagle_jobs.pipeline import run_streamed
 from eagle_jobs.recipe import load_recipe
@@ -38,9 +38,9 @@ from eagle_jobs.train_data import StreamBatchSampler
 TESTS = Path(__file__).resolve().parent
 
 
-def _rows(n: int, val_every: int = 5) -> list[dict]:
-    return [{"row_id": f"{i:08d}-00", "split": "validation" if i % val_every == 0 else "train",
-             "input_ids": list(range(10 + (i * 7) % 23)), "loss_mask": [1] * (10 + (i * 7) % 23)} for i in range(n)]
+def _rows(n: int, val_every: int = 5) -> list[RowRef]:
+    return [RowRef(f"{i:08d}-00", "validation" if i % val_every == 0 else "train", 10 + (i * 7) % 23,
+                   10 + (i * 7) % 23, "capture-shard", 0, 0) for i in range(n)]
 
 
 def test_the_stream_is_validation_first_then_each_training_row_once_per_pass_workers_interleaved():
@@ -54,10 +54,10 @@ def test_the_stream_is_validation_first_then_each_training_row_once_per_pass_wor
         assert all(s.name.startswith(f"{w:05d}-of-00003-") for s in mine)
     for p in range(2):
         train = [r for s in order if s.pass_index == p and s.split == "train" for r in s.row_ids]
-        assert sorted(train) == sorted(r["row_id"] for r in rows if r["split"] == "train")
+        assert sorted(train) == sorted(r.row_id for r in rows if r.split == "train")
         assert all(s.name.endswith(f"-pass{p:03d}") == (p > 0) for s in order if s.pass_index == p)
     val = [r for s in order if s.split == "validation" for r in s.row_ids]
-    assert sorted(val) == sorted(r["row_id"] for r in rows if r["split"] == "validation")  # once: kept, not re-read
+    assert sorted(val) == sorted(r.row_id for r in rows if r.split == "validation")  # once: kept, not re-read
     # worker 0's k-th shard, then worker 1's, then worker 2's: the order they commit in at the same pace
     assert [s.worker for s in order[:6]] == [0, 1, 2, 0, 1, 2]
     assert len({s.name for s in order}) == len(order)
@@ -110,14 +110,14 @@ def test_a_restarted_extractor_skips_a_shard_training_consumes_while_it_lists(tm
     shards = [stream.StreamShard(name, 0, 0, "train", (), 1) for name in ("a", "b", "c")]
     for s in shards[:2]:
         stage.commit_shard(s.name, {s.fname: b"x"}, {})
-    real = stage.is_committed
+    real = stage.committed_names
 
-    def consumed_meanwhile(name: str) -> bool:
-        if name == "a":  # the trainer finishes with it now
-            stream.mark_consumed(stage.store, "r", shards[:1], delete=True, at={})
-        return real(name)
+    def consumed_meanwhile() -> set[str]:
+        names = real()  # the trainer finishes with "a" just after the extractor's listing
+        stream.mark_consumed(stage.store, "r", shards[:1], delete=True, at={})
+        return names
 
-    stage.is_committed = consumed_meanwhile
+    stage.committed_names = consumed_meanwhile
     assert [s.name for s in stream.unfinished(stage, shards)] == ["c"]
 
 

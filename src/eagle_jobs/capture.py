@@ -19,6 +19,7 @@ from typing import Protocol, cast
 
 import torch
 
+from eagle_jobs.committed import row_refs
 from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.prompts import Conversation, check_rejects, read_prompts
@@ -413,7 +414,7 @@ def _capture_shards(recipe, worker: ShardWorker, todo, make_backend: Callable[[]
             name = worker.shard_name(k)
             tokens = sum(len(r["input_ids"]) for r in rows)
             worker.stage.commit_shard(name, {f"{name}.jsonl": blob}, {
-                "rows": len(rows), "tokens": tokens,
+                "rows": len(rows), "tokens": tokens, "row_index": row_refs(blob),
                 "prompt_indices": [c.index for c in chunk], "prompt_sha256s": [c.sha for c in chunk],
                 "skipped_too_long": stats.skipped, "reused_conversations": stats.reused,
                 "settings_digest": capture_digest(recipe),

@@ -8,23 +8,111 @@ nothing of how the stage that wrote it works.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from eagle_jobs.errors import BadInput, NotReady
 from eagle_jobs.layout import StageName, train_dir
-from eagle_jobs.records import Row
+from eagle_jobs.records import Row, Split
 from eagle_jobs.store import Stage, Store
 
 
-def read_rows(store: Store, run_id: str, require_complete: bool = True) -> list[Row]:
-    """Every committed capture row of a run, in row-id order."""
+class RowRef(NamedTuple):
+    """What planning needs of one capture row, and where its bytes are: never its tokens.
+
+    A pod keeps one of these per row of the corpus (about 0.3 KB in Python: `benchmarks/scale`), and
+    reads a row's tokens (`load_rows`) only for the shard it is working on, so its memory follows its
+    shard, not the corpus (52 bytes per token as Row objects: 74 GiB at the Kimi recipe's 600 k rows)."""
+
+    row_id: str
+    split: Split
+    num_tokens: int
+    loss_tokens: int
+    shard: str  # the capture shard: data/<shard>.jsonl
+    start: int  # the row's line in it: bytes [start, start + length)
+    length: int
+
+
+def row_refs(blob: bytes) -> list[list]:
+    """The `row_index` of a capture shard's manifest, one [row_id, split, num_tokens, loss_tokens, start,
+    length] per line of its JSONL `blob` (docs/FORMAT.md#capture)."""
+    out, start = [], 0
+    for line in blob.splitlines(keepends=True):
+        r = json.loads(line)
+        out.append([r["row_id"], r["split"], len(r["input_ids"]), sum(r["loss_mask"]), start, len(line)])
+        start += len(line)
+    return out
+
+
+def _capture_stage(store: Store, run_id: str, require_complete: bool) -> Stage:
     stage = Stage(store, run_id, StageName.CAPTURE.dir)
     if require_complete and not stage.is_complete():
         raise NotReady(f"capture of run '{run_id}' is not complete in {store.uri}: run `eagle-jobs capture` first")
-    rows = []
-    for _m, _f, data in stage.iter_objects():
-        for line in data.decode().splitlines():
-            rows.append(json.loads(line))
+    return stage
+
+
+def row_index(store: Store, run_id: str, require_complete: bool = True) -> list[RowRef]:
+    """Every committed capture row of a run as a RowRef, in row-id order: from the capture manifests
+    alone (read concurrently), except a shard committed without a `row_index`, which is read once."""
+    stage = _capture_stage(store, run_id, require_complete)
+    refs: list[RowRef] = []
+    for m in stage.manifests():
+        (fname, info), = m["files"].items()
+        shard = fname.rsplit(".", 1)[0]
+        entries = m.get("row_index")
+        if entries is None:
+            entries = row_refs(stage.read(fname, info))
+        refs += [RowRef(rid, split, n, loss, shard, start, length) for rid, split, n, loss, start, length in entries]
+    if not refs:
+        raise BadInput(f"capture of run '{run_id}' committed no rows: check the prompt set and limits")
+    return sorted(refs, key=lambda r: r.row_id)
+
+
+def load_rows(store: Store, run_id: str, refs: list[RowRef], max_gap: int = 1 << 20) -> list[Row]:
+    """The rows of `refs`, in their order: one range read per run of nearby rows of a capture shard
+    (rows closer than `max_gap` bytes share a read), never a whole shard for one row."""
+    stage = Stage(store, run_id, StageName.CAPTURE.dir)
+    got: dict[str, Row] = {}
+    by_shard: dict[str, list[RowRef]] = {}
+    for r in refs:
+        by_shard.setdefault(r.shard, []).append(r)
+    for shard, rs in by_shard.items():
+        rs.sort(key=lambda r: r.start)
+        key = stage.key(f"data/{shard}.jsonl")
+        i = 0
+        while i < len(rs):
+            j = i + 1
+            while j < len(rs) and rs[j].start - (rs[j - 1].start + rs[j - 1].length) <= max_gap:
+                j += 1
+            lo, hi = rs[i].start, rs[j - 1].start + rs[j - 1].length
+            blob = store.get(key, lo, hi)
+            for r in rs[i:j]:
+                row = json.loads(blob[r.start - lo : r.start - lo + r.length])
+                if row["row_id"] != r.row_id:
+                    raise BadInput(f"capture shard {store.url(key)}: bytes {r.start}+{r.length} hold row "
+                                   f"{row['row_id']}, its manifest says {r.row_id}; rerun capture")
+                got[r.row_id] = row
+            i = j
+    return [got[r.row_id] for r in refs]
+
+
+def iter_rows(store: Store, run_id: str, require_complete: bool = True) -> Iterator[Row]:
+    """Every committed capture row, one capture shard at a time (in shard order): memory of a shard."""
+    stage = _capture_stage(store, run_id, require_complete)
+    for name in sorted(stage.manifest_names()):
+        m = stage.manifest(name)
+        if m is None:
+            continue
+        (fname, info), = m["files"].items()
+        for line in stage.read(fname, info).splitlines():
+            yield json.loads(line)
+
+
+def read_rows(store: Store, run_id: str, require_complete: bool = True) -> list[Row]:
+    """Every committed capture row of a run as Row objects, in row-id order: for tests and small runs.
+    A stage plans with `row_index` and reads the rows of one shard at a time (`load_rows`)."""
+    rows = list(iter_rows(store, run_id, require_complete))
     if not rows:
         raise BadInput(f"capture of run '{run_id}' committed no rows: check the prompt set and limits")
     return sorted(rows, key=lambda r: r["row_id"])

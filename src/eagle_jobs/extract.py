@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_jobs.committed import read_rows, read_sample
+from eagle_jobs.committed import RowRef, load_rows, read_sample, row_index
 from eagle_jobs.draft import check_aux_ids, stored_layer_ids
 from eagle_jobs.errors import Unavailable
 from eagle_jobs.hsformat import Sample, bytes_per_token, encode_shard, resolve_storage, sample_problem
@@ -241,9 +241,9 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
     check_aux_ids(recipe.aux_layer_ids, n_layers)  # before any weights load
     layer_ids = stored_layer_ids(recipe.aux_layer_ids, n_layers)
     stage = Stage(store, run_id, STAGE)
-    rows = read_rows(store, run_id)
+    rows = row_index(store, run_id)  # planning needs lengths and splits; tokens are read a shard at a time
     x = recipe.extract
-    recipe = recipe.with_storage(resolve_storage(x.storage_dtype, sum(len(r["input_ids"]) for r in rows),
+    recipe = recipe.with_storage(resolve_storage(x.storage_dtype, sum(r.num_tokens for r in rows),
                                                  len(layer_ids), hidden, x.fp8_above_bytes))
     worker = ShardWorker.resolve(stage, shard_index, num_shards)
     idx, n = worker.index, worker.count
@@ -282,8 +282,8 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
     return summary
 
 
-def shard_plan(recipe: Recipe, worker: ShardWorker, rows: list[Row], bpt: int
-               ) -> tuple[list[list[Row]], list[tuple[str, list[Row]]], Callable[[str, int], None]]:
+def shard_plan(recipe: Recipe, worker: ShardWorker, rows: list[RowRef], bpt: int
+               ) -> tuple[list[list[RowRef]], list[tuple[str, list[RowRef]]], Callable[[str, int], None]]:
     """This worker's shards, the (name, rows) still to commit, and what to do before computing one.
 
     Stored: the worker's rows by length. Stream: the stream's order (eagle_jobs.stream), skipping
@@ -296,7 +296,7 @@ def shard_plan(recipe: Recipe, worker: ShardWorker, rows: list[Row], bpt: int
 
     passes = recipe.train.epochs if recipe.train.later_epochs == "re-extract" else 1
     shards = stream.worker_stream(rows, bpt, recipe.extract.shard_bytes, worker.index, worker.count, passes)
-    by_id = {r["row_id"]: r for r in rows}
+    by_id = {r.row_id: r for r in rows}
     store, run_id = worker.stage.store, worker.stage.run_id
     todo = [(s.name, [by_id[i] for i in s.row_ids]) for s in stream.unfinished(worker.stage, shards)]
     order = stream.stream_order(rows, bpt, recipe.extract.shard_bytes, worker.count, passes)
@@ -304,7 +304,7 @@ def shard_plan(recipe: Recipe, worker: ShardWorker, rows: list[Row], bpt: int
     return [[by_id[i] for i in s.row_ids] for s in shards], todo, window.wait
 
 
-def _extract_shards(recipe, worker: ShardWorker, todo: list[tuple[str, list[Row]]],
+def _extract_shards(recipe, worker: ShardWorker, todo: list[tuple[str, list[RowRef]]],
                     make_extractor: Callable[[], HiddenStateBackend], layer_ids, hidden, skipped_all, index,
                     reused, before_shard: Callable[[str, int], None]) -> None:
     """Compute shard k+1 while shard k is packed and uploaded in the background."""
@@ -315,9 +315,10 @@ def _extract_shards(recipe, worker: ShardWorker, todo: list[tuple[str, list[Row]
     ex: HiddenStateBackend | None = None
     try:
         with stage_progress("extract", sum(len(s) for _, s in todo), "rows") as advance:
-            for name, rows in todo:
-                before_shard(name, sum(len(r["input_ids"]) for r in rows) * bytes_per_token(
+            for name, refs in todo:
+                before_shard(name, sum(r.num_tokens for r in refs) * bytes_per_token(
                     len(layer_ids), hidden, recipe.extract.storage_dtype))
+                rows = load_rows(worker.stage.store, worker.stage.run_id, refs)  # this shard's rows only
                 got, fresh = Extracted({}, {}), []
                 for r in rows:
                     hit = index.where.get(ids_sha256(r["input_ids"]))

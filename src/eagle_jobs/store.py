@@ -20,7 +20,7 @@ import random
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,6 +36,7 @@ MULTIPART_THRESHOLD = int(os.environ.get("EAGLE_JOBS_MULTIPART_BYTES", 64 * 1024
 PART_BYTES = max(5 * 1024**2, int(os.environ.get("EAGLE_JOBS_PART_BYTES", 32 * 1024**2)))
 PARALLEL_PARTS = 8
 RETRIES = int(os.environ.get("EAGLE_JOBS_STORE_RETRIES", 6))
+GET_BATCH = 256  # objects read concurrently by Store.get_many
 
 _FATAL_CODES = {
     "NoSuchBucket", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied",
@@ -267,6 +268,27 @@ class Store:
                 out.append(rel)
         return sorted(out)
 
+    def get_many(self, keys: Sequence[str], on_batch: Callable[[int], None] | None = None) -> dict[str, bytes]:
+        """Several whole objects, read GET_BATCH at a time concurrently (s3fs's async `cat`), not one
+        request after another: a stage that reads every manifest of a run (thousands at the recipe's
+        scale) before its first heartbeat reads them in seconds. `on_batch(done)` after each batch (a
+        heartbeat). A key that is gone by the time it is read is left out; one that failed otherwise is
+        read again on its own, with `get`'s retries."""
+        out: dict[str, bytes] = {}
+        for i in range(0, len(keys), GET_BATCH):
+            part = {self.path(k): k for k in keys[i : i + GET_BATCH]}
+            got = self.fs.cat(list(part.keys()), on_error="return")
+            for p, data in got.items():
+                if isinstance(data, FileNotFoundError):
+                    continue
+                try:
+                    out[part[p]] = self.get(part[p]) if isinstance(data, BaseException) else data
+                except FileNotFoundError:
+                    continue
+            if on_batch is not None:
+                on_batch(min(len(keys), i + GET_BATCH))
+        return out
+
     def delete(self, key: str) -> None:
         p = self.path(key)
         try:
@@ -319,12 +341,27 @@ class Stage:
         except FileNotFoundError:
             return False
 
-    def manifests(self) -> list[dict]:
-        out = []
-        for k in self.store.list(self.key("manifests")):
-            if k.endswith(".json"):
-                out.append(self.store.get_json(k))
-        return sorted(out, key=lambda m: m["shard"])
+    def manifest_names(self) -> list[str]:
+        """The committed shards' names, from one listing."""
+        return [k.rsplit("/", 1)[1].removesuffix(".json") for k in self.store.list(self.key("manifests"))
+                if k.endswith(".json")]
+
+    def manifests(self, names: list[str] | None = None) -> list[dict]:
+        """The manifests of `names` (default: every committed shard), read concurrently; the stage's
+        heartbeat beats between batches, so a worker reading a whole run's manifests stays alive."""
+        from eagle_jobs.heartbeat import beat
+
+        names = self.manifest_names() if names is None else names
+        got = self.store.get_many([self.key(f"manifests/{n}.json") for n in names], on_batch=lambda _n: beat())
+        return sorted((json.loads(v) for v in got.values()), key=lambda m: m["shard"])
+
+    def committed_names(self) -> set[str]:
+        """Shards with a manifest and a data object: two listings, no request per shard (a restarted
+        extraction worker owns tens of thousands). Weaker than `is_committed`, which also checks each
+        object's size against its manifest; the store writes every object whole (Store.put), so a data
+        object exists whole or not at all."""
+        data = {k.rsplit("/", 1)[1].split(".", 1)[0] for k in self.store.list(self.key("data"))}
+        return {n for n in self.manifest_names() if n in data}
 
     def read(self, fname: str, verify: dict | None = None) -> bytes:
         data = self.store.get(self.key(f"data/{fname}"))

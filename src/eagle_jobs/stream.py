@@ -27,10 +27,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from eagle_jobs.committed import RowRef
 from eagle_jobs.errors import BadInput, EagleJobsError
 from eagle_jobs.layout import STREAM, StageName
 from eagle_jobs.progress import console
-from eagle_jobs.records import Row, Split
+from eagle_jobs.records import Split
 from eagle_jobs.sharding import owned, plan_shards, shard_name
 from eagle_jobs.store import Stage, Store
 
@@ -60,18 +61,18 @@ def pass_name(name: str, pass_index: int) -> str:
     return name if pass_index == 0 else f"{name}-pass{pass_index:03d}"
 
 
-def worker_stream(rows: Sequence[Row], bytes_per_tok: int, shard_bytes: int, index: int, num: int,
+def worker_stream(rows: Sequence[RowRef], bytes_per_tok: int, shard_bytes: int, index: int, num: int,
                   passes: int) -> list[StreamShard]:
     """Worker `index` of `num`'s shards in the order it extracts them."""
     mine = owned(rows, index, num)
-    val = plan_shards([r for r in mine if r["split"] != "train"], bytes_per_tok, shard_bytes)
-    train = plan_shards([r for r in mine if r["split"] == "train"], bytes_per_tok, shard_bytes)
+    val = plan_shards([r for r in mine if r.split != "train"], bytes_per_tok, shard_bytes)
+    train = plan_shards([r for r in mine if r.split == "train"], bytes_per_tok, shard_bytes)
     out: list[StreamShard] = []
 
-    def add(shard_rows: list[Row], k: int, split: Split, p: int) -> None:
-        size = sum(len(r["input_ids"]) for r in shard_rows) * bytes_per_tok
+    def add(shard_rows: list[RowRef], k: int, split: Split, p: int) -> None:
+        size = sum(r.num_tokens for r in shard_rows) * bytes_per_tok
         out.append(StreamShard(pass_name(shard_name(index, num, k), p), index, p, split,
-                               tuple(r["row_id"] for r in shard_rows), size))
+                               tuple(r.row_id for r in shard_rows), size))
 
     for k, s in enumerate(val):
         add(s, k, "validation", 0)
@@ -81,7 +82,7 @@ def worker_stream(rows: Sequence[Row], bytes_per_tok: int, shard_bytes: int, ind
     return out
 
 
-def stream_order(rows: Sequence[Row], bytes_per_tok: int, shard_bytes: int, num_workers: int,
+def stream_order(rows: Sequence[RowRef], bytes_per_tok: int, shard_bytes: int, num_workers: int,
                  passes: int) -> list[StreamShard]:
     """Every worker's shards, interleaved (the i-th of each worker in turn): the order they commit
     in when the workers keep pace, and the order training reads them in."""
@@ -127,7 +128,8 @@ def unfinished(stage: Stage, shards: Sequence[StreamShard]) -> list[StreamShard]
     (`mark_consumed`), so a shard whose data goes between the two reads is in the second. Read the other
     way round, such a shard was neither, and extracted and committed again beside a running trainer
     (tests/test_stream.py, 2026-12-06)."""
-    pending = [s for s in shards if not stage.is_committed(s.name)]
+    committed = stage.committed_names()
+    pending = [s for s in shards if s.name not in committed]
     done = consumed(stage.store, stage.run_id)
     return [s for s in pending if s.name not in done]
 

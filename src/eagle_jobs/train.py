@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from eagle_jobs.committed import extraction_info, read_rows
+from eagle_jobs.committed import extraction_info, iter_rows, row_index
 from eagle_jobs.draft import (
     DraftShape,
     build_draft_model,
@@ -92,7 +92,7 @@ def token_frequencies(manifests: list[dict], store: Store, run_id: str) -> Count
 
     extracted = {e["row_id"] for m in manifests for e in m["samples"] if e["split"] == "train"}
     freq: Counter = Counter()
-    for r in read_rows(store, run_id):
+    for r in iter_rows(store, run_id):  # a capture shard at a time: the counts, never the rows, stay
         if r["row_id"] in extracted if manifests else r["split"] == "train":
             freq.update(t for t, m in zip(r["input_ids"], r["loss_mask"]) if m)
     return freq
@@ -362,10 +362,11 @@ def check_extraction(recipe: Recipe, store: Store, run_id: str) -> tuple[dict, P
         from eagle_jobs.hsformat import resolve_storage
 
         layer_ids, hidden = stored_layer_ids(recipe.aux_layer_ids, int(tcfg.num_hidden_layers)), int(tcfg.hidden_size)
-        tokens = sum(len(r["input_ids"]) for r in read_rows(store, run_id))  # what extraction resolves it from
-        storage = resolve_storage(recipe.extract.storage_dtype, tokens, len(layer_ids), hidden,
-                                  recipe.extract.fp8_above_bytes)
-        info: dict = {"manifests": [], "storage": storage, "hidden_size": hidden, "layer_ids": layer_ids}
+        rows = row_index(store, run_id)  # what extraction plans the stream from; read once, kept in info
+        storage = resolve_storage(recipe.extract.storage_dtype, sum(r.num_tokens for r in rows), len(layer_ids),
+                                  hidden, recipe.extract.fp8_above_bytes)
+        info: dict = {"manifests": [], "storage": storage, "hidden_size": hidden, "layer_ids": layer_ids,
+                      "rows": rows}
     else:
         info = extraction_info(store, run_id)
     shape = resolve_shape(recipe, tcfg)
@@ -478,7 +479,7 @@ class TrainData:
         from eagle_jobs.train_data import StreamBatchSampler, StreamHiddenStatesDataset
 
         t, reextract = recipe.train, recipe.train.later_epochs == "re-extract"
-        rows = {r["row_id"]: r for r in read_rows(store, run_id)}
+        rows = {r.row_id: r for r in info["rows"]}
         bpt = bytes_per_token(len(info["layer_ids"]), info["hidden_size"], info["storage"])
         order = stream.stream_order(list(rows.values()), bpt, recipe.extract.shard_bytes,
                                     first_worker_count(store, run_id), t.epochs if reextract else 1)
@@ -493,13 +494,13 @@ class TrainData:
             index_groups.append([])
             for s in g:
                 for rid in s.row_ids:
-                    if sum(rows[rid]["loss_mask"]) > 1:
+                    if rows[rid].loss_tokens > 1:
                         index_groups[-1].append(len(items["train"]))
-                        items["train"].append((s.name, rid, len(rows[rid]["input_ids"])))
+                        items["train"].append((s.name, rid, rows[rid].num_tokens))
         for s in order:
             if s.split == "validation":
-                items["validation"] += [(s.name, rid, len(rows[rid]["input_ids"])) for rid in s.row_ids
-                                        if sum(rows[rid]["loss_mask"]) > 1]
+                items["validation"] += [(s.name, rid, rows[rid].num_tokens) for rid in s.row_ids
+                                        if rows[rid].loss_tokens > 1]
         if not items["train"]:
             raise BadInput(f"run '{run_id}' has no training rows with loss tokens")
         names, T = [s.name for s in order], t.total_seq_len
