@@ -88,9 +88,9 @@ def test_bad_lines_among_a_thousand_are_skipped_listed_and_the_good_rows_commit(
     convs, rejects = read_prompts(recipe.prompts)
     assert len(convs) == 1000 and rejects.by_reason == {r: 1 for r in BAD_LINES}
     # capture itself without a model: a backend that answers each turn at once (the rows are not the point)
-    monkeypatch.setattr(capture, "_capture_shards", lambda recipe, worker, todo, backend, totals, index: [
+    monkeypatch.setattr(capture, "_capture_shards", lambda recipe, worker, todo, backend, totals, index, load: [
         worker.stage.commit_shard(worker.shard_name(k), {f"{worker.shard_name(k)}.jsonl": b"".join(
-            json.dumps({"prompt_index": c.index}).encode() + b"\n" for c in chunk)}, {}) for k, chunk in todo])
+            json.dumps({"prompt_index": c.index}).encode() + b"\n" for c in load(refs))}, {}) for k, refs in todo])
     st = Store.open(recipe.store.uri)
     run_capture(recipe, st, "t")
     listed = st.get_json("t/capture/rejects.json")

@@ -22,7 +22,7 @@ import torch
 from eagle_jobs.committed import row_refs
 from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console, stage_progress
-from eagle_jobs.prompts import Conversation, check_rejects, read_prompts
+from eagle_jobs.prompts import Conversation, PromptRef, check_rejects, scan_prompts
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.records import Advance, Row
 from eagle_jobs.sampling import ServedSampling, effective, request_fields
@@ -31,6 +31,7 @@ from eagle_jobs.sharding import ShardWorker, chunked
 from eagle_jobs.store import Stage, Store
 
 STAGE = StageName.CAPTURE.dir
+SHARDS_AT_ONCE = 4  # capture loads and generates this many shards (at least 4x its concurrency) at a time
 
 
 @dataclass
@@ -350,7 +351,8 @@ class VllmBackend:
 def run_capture(recipe: Recipe, store: Store, run_id: str, shard_index: int | None = None,
                 num_shards: int | None = None) -> dict:
     stage = Stage(store, run_id, STAGE)
-    convs, rejects = read_prompts(recipe.prompts)
+    prompts, rejects = scan_prompts(recipe.prompts)  # a PromptRef a conversation; messages loaded per shard
+    convs = prompts.refs
     # what was skipped, and where, before deciding whether that is too much: the list is the fix
     stage.store.put_json(stage.key("rejects.json"), rejects.to_json())
     console.print(rejects.summary() + f" (list: {store.url(stage.key('rejects.json'))})", soft_wrap=True)
@@ -367,16 +369,17 @@ def run_capture(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
     totals = ShardStats()
     if todo:
         if recipe.capture.backend == "transformers":
-            _capture_shards(recipe, worker, todo, lambda: TransformersBackend(recipe), totals, index)
+            _capture_shards(recipe, worker, todo, lambda: TransformersBackend(recipe), totals, index, prompts.load)
         else:
             from eagle_jobs.vllm_server import server_log, vllm_endpoint
 
-            needs_server = any(index.rows_for(c.sha) is None for _k, chunk in todo for c in chunk)
+            needs_server = any(c.sha not in index.where for _k, chunk in todo for c in chunk)
             if needs_server:
                 with vllm_endpoint(capture_plan(recipe), log=server_log(run_id, f"capture-{idx}")) as base:
-                    _capture_shards(recipe, worker, todo, lambda: VllmBackend(recipe, base), totals, index)
+                    _capture_shards(recipe, worker, todo, lambda: VllmBackend(recipe, base), totals, index,
+                                    prompts.load)
             else:
-                _capture_shards(recipe, worker, todo, lambda: None, totals, index)
+                _capture_shards(recipe, worker, todo, lambda: None, totals, index, prompts.load)
     if totals.reused:
         console.print(f"  reused {totals.reused} conversations captured by other runs with the same settings")
     summary = {"worker": idx, "num_workers": n, "shards": len(chunks), "rows_written": totals.rows,
@@ -401,8 +404,13 @@ def _reused_rows(index, c: Conversation) -> list[Row] | None:
     return moved
 
 
-def _capture_shards(recipe, worker: ShardWorker, todo, make_backend: Callable[[], GenerationBackend | None],
-                    totals: ShardStats, index) -> None:
+def _capture_shards(recipe, worker: ShardWorker, todo: list[tuple[int, list[PromptRef]]],
+                    make_backend: Callable[[], GenerationBackend | None], totals: ShardStats, index,
+                    load: Callable[[list[PromptRef]], list[Conversation]]) -> None:
+    """The shards of `todo`, SHARDS_AT_ONCE at a time: their conversations loaded (`load`), the ones other
+    runs captured reused, the rest generated, each shard committed as it ends. A group at a time bounds
+    the pod's memory by the group, not the prompt set; a group is several times the backend's concurrency,
+    so its tail idles few request slots."""
     from eagle_jobs.reuse import capture_digest
 
     sampling = effective(recipe)
@@ -427,29 +435,33 @@ def _capture_shards(recipe, worker: ShardWorker, todo, make_backend: Callable[[]
             totals.skipped_too_long += stats.skipped_too_long
             totals.reused += stats.reused
 
-        work = []  # shards with conversations to generate: (shard number, those conversations, stats)
-        pending = {}  # shard number -> (all its conversations, rows other runs captured, stats)
-        for k, chunk in todo:
-            stats = ShardStats()
-            reused, fresh = [], []
-            for c in chunk:
-                got = _reused_rows(index, c)
-                if got is None:
-                    fresh.append(c)
+        backend: GenerationBackend | None = None
+        at_once = max(SHARDS_AT_ONCE, -(-4 * recipe.capture.concurrency // recipe.capture.prompts_per_shard))
+        for g in range(0, len(todo), at_once):
+            work = []  # shards with conversations to generate: (shard number, those conversations, stats)
+            pending = {}  # shard number -> (all its conversations, rows other runs captured, stats)
+            for k, refs in todo[g : g + at_once]:
+                chunk = load(refs)
+                stats = ShardStats()
+                reused, fresh = [], []
+                for c in chunk:
+                    got = _reused_rows(index, c)
+                    if got is None:
+                        fresh.append(c)
+                    else:
+                        reused += got
+                        stats.reused += 1
+                if fresh:
+                    work.append((k, fresh, stats))
+                    pending[k] = (chunk, reused, stats)
                 else:
-                    reused += got
-                    stats.reused += 1
-            if fresh:
-                work.append((k, fresh, stats))
-                pending[k] = (chunk, reused, stats)
-            else:
-                commit(k, chunk, reused, stats)
+                    commit(k, chunk, reused, stats)
 
-        def finish(k: int, rows: list[Row]) -> None:
-            chunk, reused, stats = pending.pop(k)
-            commit(k, chunk, reused + rows, stats)
+            def finish(k: int, rows: list[Row], pending=pending) -> None:
+                chunk, reused, stats = pending.pop(k)
+                commit(k, chunk, reused + rows, stats)
 
-        if work:
-            backend = make_backend()
-            assert backend is not None, "a backend is made whenever a conversation is not reused"
-            backend.run_shards(work, advance, finish)
+            if work:
+                backend = backend or make_backend()
+                assert backend is not None, "a backend is made whenever a conversation is not reused"
+                backend.run_shards(work, advance, finish)

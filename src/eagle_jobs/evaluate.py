@@ -31,7 +31,7 @@ from eagle_jobs.committed import download_final, extraction_info
 from eagle_jobs.errors import BadInput, Unavailable
 from eagle_jobs.layout import StageName, content_hash, eval_dir, train_dir
 from eagle_jobs.progress import console, stage_progress
-from eagle_jobs.prompts import load_prompts
+from eagle_jobs.prompts import load_prompt_index, load_prompts
 from eagle_jobs.recipe import PromptSpec, Recipe
 from eagle_jobs.records import EvalReport, PromptSetResult, SpeedLevel, SpeedTable, TimedPass
 from eagle_jobs.serve_plans import evaluate_plan
@@ -216,7 +216,8 @@ def eval_sets(recipe: Recipe, prompts: Path | None = None) -> dict[str, list[lis
         sets = {"prompts": _first_turns(load_prompts(PromptSpec(source=str(prompts), validation=0)))}
     else:
         sets = {}
-        val = [c for c in load_prompts(recipe.prompts, quiet=True) if c.split == "validation"]
+        index = load_prompt_index(recipe.prompts, quiet=True)  # the held-out split's messages only
+        val = index.load([c for c in index.refs if c.split == "validation"][:n or None])
         if val:
             sets["validation"] = _first_turns(val)
         for name, source in recipe.evaluate.prompt_sets.items():

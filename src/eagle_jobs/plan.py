@@ -76,12 +76,11 @@ def _verifier_text_config(recipe: Recipe):
 def _prompt_stats(recipe: Recipe) -> tuple[int, int, float]:
     """(conversations, generations, mean prompt tokens) from the prompt set, or from the recipe's limit."""
     try:
-        from eagle_jobs.prompts import load_prompts
+        from eagle_jobs.prompts import load_prompt_index
 
-        convs = load_prompts(recipe.prompts)
-        gens = sum(len(c.user_prefixes()) for c in convs)
-        chars = sum(len(str(m["content"])) for c in convs for m in c.messages) / max(1, gens)
-        return len(convs), gens, chars / 4 + 32  # ~4 characters a token, plus template tokens
+        index = load_prompt_index(recipe.prompts)  # one streamed pass: a million conversations fit
+        gens = index.generations
+        return len(index.refs), gens, index.chars / max(1, gens) / 4 + 32  # ~4 characters a token, plus template
     except Exception:  # noqa: BLE001 - the prompt set is not reachable from here
         n = recipe.prompts.limit or 10000
         return n, n, min(512, recipe.limits.max_prompt_tokens)
@@ -177,11 +176,11 @@ def _why_storage(recipe: Recipe) -> str:
 def print_plan(recipe: Recipe, store=None, run_id: str | None = None, as_json: bool = False) -> dict:
     p = make_plan(recipe)
     if store is not None:
-        from eagle_jobs.prompts import load_prompts
+        from eagle_jobs.prompts import load_prompt_index
         from eagle_jobs.reuse import reuse_plan
 
         p["reuse"] = reuse_plan(store, recipe.with_storage(p["storage"]), run_id or recipe.store.run_id,
-                                load_prompts(recipe.prompts))
+                                load_prompt_index(recipe.prompts).refs)
     if as_json:
         print(json.dumps(p, indent=1))
         return p

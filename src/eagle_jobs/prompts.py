@@ -22,10 +22,10 @@ import importlib.util
 import io
 import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
 from eagle_jobs.errors import BadInput
 from eagle_jobs.layout import content_hash
@@ -201,32 +201,52 @@ def _humaneval(path: Path, source: str) -> Iterator[tuple[object, str]]:
                    f"{source} {p['task_id']}")
 
 
-def _read_bytes(source: str) -> tuple[bytes, str]:
-    if source.startswith(("s3://", "file://")):
-        from eagle_jobs.store import Store
+def _store_object(source: str):
+    """(store, key) of a file:// or s3:// prompt set; BadInput when the object does not exist."""
+    from eagle_jobs.store import Store
 
-        parent, _, name = source.rpartition("/")
-        store = Store.open(parent)
-        store.check()
-        try:
-            return store.get(name), name
-        except FileNotFoundError:
-            raise BadInput(f"prompts {source}: no such object") from None
+    parent, _, name = source.rpartition("/")
+    store = Store.open(parent)
+    store.check()
+    if not store.exists(name):
+        raise BadInput(f"prompts {source}: no such object")
+    return store, name
+
+
+def _local(source: str) -> Path:
     p = Path(source)
     if not p.is_file():
         raise BadInput(f"prompts {source}: no such file (prompts.source in the recipe)")
-    return p.read_bytes(), p.name
+    return p
 
 
-def _jsonl(data: bytes, source: str, rejects: Rejects) -> Iterator[tuple[object, str]]:
-    """(row, where) for every line; lines that are not a row at all go to rejects as (None, where)."""
-    for ln, raw in enumerate(data.split(b"\n"), 1):
-        where = f"{source} line {ln}"
+def _open_binary(source: str):
+    """The prompt set's bytes as a file, read in pieces: a million conversations never sit in memory."""
+    if source.startswith(("s3://", "file://")):
+        store, name = _store_object(source)
+        return store.fs.open(store.path(name), "rb", block_size=8 << 20)
+    return open(_local(source), "rb")
+
+
+def _read_range(source: str, start: int, end: int) -> bytes:
+    if source.startswith(("s3://", "file://")):
+        store, name = _store_object(source)
+        return store.get(name, start, end)
+    with open(_local(source), "rb") as f:
+        f.seek(start)
+        return f.read(end - start)
+
+
+def _jsonl(lines, source: str, rejects: Rejects) -> Iterator[tuple[object, str, tuple[int, int]]]:
+    """(row, where, (start, length) of its line) for every line; lines that are not a row at all go to
+    rejects as (None, where, ...)."""
+    start = 0
+    for ln, raw in enumerate(lines, 1):
+        where, span = f"{source} line {ln}", (start, len(raw))
+        start += len(raw)
         if not raw.strip():
-            if ln == data.count(b"\n") + 1:
-                return  # the final newline
             rejects.add(where, "empty", "empty line")
-            yield None, where
+            yield None, where, span
             continue
         try:
             if b"\0" in raw:
@@ -234,16 +254,18 @@ def _jsonl(data: bytes, source: str, rejects: Rejects) -> Iterator[tuple[object,
             line = raw.decode("utf-8")
         except UnicodeDecodeError:
             rejects.add(where, "binary", "not UTF-8 text")
-            yield None, where
+            yield None, where, span
             continue
         try:
-            yield json.loads(line), where
+            yield json.loads(line), where, span
         except json.JSONDecodeError as e:
             rejects.add(where, "not_json", f"not JSON ({e.msg} at column {e.colno})")
-            yield None, where
+            yield None, where, span
 
 
-def _rows(source: str, spec: PromptSpec, rejects: Rejects) -> Iterator[tuple[object, str]]:
+def _rows(source: str, spec: PromptSpec, rejects: Rejects) -> Iterator[tuple[object, str, tuple[int, int] | None]]:
+    """(row, where, span): span is the row's (start, length) in a JSONL source, which PromptIndex reads
+    again by range; None where rows have no byte range of their own (datasets, Parquet, JSON arrays)."""
     if source.startswith("hf://"):
         import datasets
 
@@ -254,23 +276,34 @@ def _rows(source: str, spec: PromptSpec, rejects: Rejects) -> Iterator[tuple[obj
             raise BadInput(f"prompts {source}: cannot load dataset '{name}' split '{spec.hf_split}' from the hub "
                            f"({type(e).__name__}); put its rows in the store as JSONL or Parquet and name that "
                            "URI instead") from None
-        yield from ((dict(r), f"{source}[{i}]") for i, r in enumerate(ds))
+        yield from ((dict(r), f"{source}[{i}]", None) for i, r in enumerate(ds))
         return
     if source.startswith("pypi://"):
         path, fmt = _packaged(source.removeprefix("pypi://"))
-        yield from (_json_array(open(path, encoding="utf-8", errors="replace"), source, rejects)
-                    if fmt == "json-array" else _humaneval(path, source))
+        rows = (_json_array(open(path, encoding="utf-8", errors="replace"), source, rejects)
+                if fmt == "json-array" else _humaneval(path, source))
+        yield from ((r, w, None) for r, w in rows)
         return
-    data, name = _read_bytes(source)
+    name = source.rstrip("/").rsplit("/", 1)[-1]
     if name.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        table = pq.read_table(io.BytesIO(data))
-        yield from ((r, f"{source} row {i}") for i, r in enumerate(table.to_pylist()))
+        with _open_binary(source) as f:
+            table = pq.read_table(io.BytesIO(f.read()))
+        yield from ((r, f"{source} row {i}", None) for i, r in enumerate(table.to_pylist()))
     elif name.endswith(".json"):
-        yield from _json_array(io.StringIO(data.decode("utf-8", errors="replace")), source, rejects)
+        with _open_binary(source) as f:
+            text = io.TextIOWrapper(f, encoding="utf-8", errors="replace")
+            yield from ((r, w, None) for r, w in _json_array(text, source, rejects))
     else:
-        yield from _jsonl(data, source, rejects)
+        with _open_binary(source) as f:
+            yield from _jsonl(_lines(f), source, rejects)
+
+
+def _lines(f) -> Iterator[bytes]:
+    """The file's lines, newline kept; a final newline ends the last line and starts none."""
+    while raw := f.readline():
+        yield raw
 
 
 def _is_validation(sha: str, seed: int, fraction: float) -> bool:
@@ -284,11 +317,60 @@ def _first_turns(msgs: list[dict], max_turns: int | None) -> list[dict]:
     return msgs if max_turns is None or len(users) <= max_turns else msgs[: users[max_turns]]
 
 
-def read_prompts(spec: PromptSpec) -> tuple[list[Conversation], Rejects]:
-    """Every valid conversation with its split, and what was rejected; nothing raised for bad rows."""
+class PromptRef(NamedTuple):
+    """One valid conversation of a prompt set, without its messages: what a capture or evaluate worker
+    keeps per conversation (PromptIndex.load reads the messages of a shard's conversations when due)."""
+
+    position: int  # Conversation.index
+    sha: str
+    split: Split
+    start: int  # its line's bytes in a JSONL source; -1 where PromptIndex keeps the messages
+    length: int
+
+
+@dataclass
+class PromptIndex:
+    """Every valid conversation of a prompt set as a PromptRef; the messages stay in the source (JSONL)
+    or, for sources without byte ranges (datasets, Parquet, JSON arrays: sets of their own size), here."""
+
+    spec: PromptSpec
+    refs: list[PromptRef]
+    chars: int  # of all messages' content: what `plan` prices prompts by
+    generations: int  # user turns: the answers capture regenerates
+    kept: dict[int, tuple] = field(default_factory=dict)
+
+    def load(self, refs: list[PromptRef], max_gap: int = 1 << 20) -> list[Conversation]:
+        """The conversations of `refs`, in their order: nearby lines of the source share one range read."""
+        msgs: dict[int, tuple] = {r.position: self.kept[r.position] for r in refs if r.start < 0}
+        ranged = sorted((r for r in refs if r.start >= 0), key=lambda r: r.start)
+        i = 0
+        while i < len(ranged):
+            j = i + 1
+            while j < len(ranged) and ranged[j].start - (ranged[j - 1].start + ranged[j - 1].length) <= max_gap:
+                j += 1
+            lo = ranged[i].start
+            blob = _read_range(self.spec.source, lo, ranged[j - 1].start + ranged[j - 1].length)
+            for r in ranged[i:j]:
+                try:
+                    whole = _messages(json.loads(blob[r.start - lo : r.start - lo + r.length]))
+                except (_Bad, json.JSONDecodeError, UnicodeDecodeError):
+                    whole = []
+                if content_hash(whole) != r.sha:
+                    raise BadInput(f"prompts {self.spec.source}: changed while in use (line at byte {r.start}); "
+                                   "a prompt set is read-only once a run starts: use a new file")
+                msgs[r.position] = tuple(_first_turns(whole, self.spec.max_turns))
+            i = j
+        return [Conversation(r.position, msgs[r.position], r.sha, r.split) for r in refs]
+
+
+def scan_prompts(spec: PromptSpec) -> tuple[PromptIndex, Rejects]:
+    """One streamed pass over the prompt set: every valid conversation's PromptRef with its split, and what
+    was rejected; nothing raised for bad rows. Memory: a PromptRef a conversation (JSONL sources)."""
     rejects = Rejects(spec.source)
-    convs = []
-    for i, (obj, where) in enumerate(_rows(spec.source, spec, rejects)):
+    found: list[tuple[int, str, tuple[int, int] | None]] = []
+    kept: dict[int, tuple] = {}
+    chars = generations = 0
+    for i, (obj, where, span) in enumerate(_rows(spec.source, spec, rejects)):
         if spec.limit is not None and i >= spec.limit:
             break
         rejects.rows += 1
@@ -300,21 +382,34 @@ def read_prompts(spec: PromptSpec) -> tuple[list[Conversation], Rejects]:
             rejects.add(where, e.reason, str(e))
             continue
         sha = content_hash(msgs)
-        convs.append((i, tuple(_first_turns(msgs, spec.max_turns)), sha))
+        first = _first_turns(msgs, spec.max_turns)
+        chars += sum(len(str(m["content"])) for m in first)
+        generations += sum(m["role"] == "user" for m in first)
+        if span is None:
+            kept[i] = tuple(first)
+        found.append((i, sha, span))
     # Validation split: a count takes the conversations with the smallest hashes;
     # a fraction takes each conversation by the hash of its content alone, so a
     # conversation keeps its split in any prompt set that contains it (no leakage
     # between a set and its supersets). Both are independent of sharding.
     if spec.validation >= 1:
-        n_val = min(int(spec.validation), len(convs) - 1)
-        ranked = sorted(convs, key=lambda c: hashlib.sha256(f"{spec.seed}:{c[2]}:{c[0]}".encode()).digest())
+        n_val = min(int(spec.validation), len(found) - 1)
+        ranked = sorted(found, key=lambda c: hashlib.sha256(f"{spec.seed}:{c[1]}:{c[0]}".encode()).digest())
         val = {c[0] for c in ranked[:n_val]}
     else:
-        val = {c[0] for c in convs if _is_validation(c[2], spec.seed, spec.validation)}
-    return [Conversation(i, m, s, "validation" if i in val else "train") for i, m, s in convs], rejects
+        val = {c[0] for c in found if _is_validation(c[1], spec.seed, spec.validation)}
+    refs = [PromptRef(i, sha, "validation" if i in val else "train", *(span or (-1, 0))) for i, sha, span in found]
+    return PromptIndex(spec, refs, chars, generations, kept), rejects
 
 
-def check_rejects(spec: PromptSpec, convs: list[Conversation], rejects: Rejects) -> None:
+def read_prompts(spec: PromptSpec) -> tuple[list[Conversation], Rejects]:
+    """Every valid conversation with its split, and what was rejected; nothing raised for bad rows. Whole
+    sets in memory: capture and evaluate hold a PromptIndex and load the conversations a shard needs."""
+    index, rejects = scan_prompts(spec)
+    return index.load(index.refs), rejects
+
+
+def check_rejects(spec: PromptSpec, convs: Sequence, rejects: Rejects) -> None:
     """Exit 3 when nothing is valid or too much was rejected; the first rejected row says what to fix."""
     first = rejects.rows_rejected[0] if rejects.rows_rejected else None
     hint = f"; first: {first['where']}: {first['detail']}" if first else ""
@@ -326,10 +421,16 @@ def check_rejects(spec: PromptSpec, convs: list[Conversation], rejects: Rejects)
                        f"{spec.max_rejected_fraction:.2%}){hint}")
 
 
-def load_prompts(spec: PromptSpec, quiet: bool = False) -> list[Conversation]:
-    """The valid conversations; one summary line when rows were rejected, exit 3 over the threshold."""
-    convs, rejects = read_prompts(spec)
+def load_prompt_index(spec: PromptSpec, quiet: bool = False) -> PromptIndex:
+    """The valid conversations' index; one summary line when rows were rejected, exit 3 over the threshold."""
+    index, rejects = scan_prompts(spec)
     if (rejects.rejected or rejects.note) and not quiet:
         console.print(rejects.summary(), soft_wrap=True)
-    check_rejects(spec, convs, rejects)
-    return convs
+    check_rejects(spec, index.refs, rejects)
+    return index
+
+
+def load_prompts(spec: PromptSpec, quiet: bool = False) -> list[Conversation]:
+    """The valid conversations (load_prompt_index, then every one loaded)."""
+    index = load_prompt_index(spec, quiet)
+    return index.load(index.refs)

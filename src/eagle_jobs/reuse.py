@@ -19,6 +19,8 @@ from eagle_jobs.recipe import Recipe, VllmServerSpec
 from eagle_jobs.records import Row
 from eagle_jobs.store import Stage, Store
 
+CACHED_SHARDS = 16  # another run's capture shards CaptureIndex keeps parsed: memory of a few shards
+
 
 def _digest(obj) -> str:
     return content_hash(obj, 16)
@@ -98,6 +100,8 @@ class CaptureIndex:
             return None
         run, fname, info = hit
         if (run, fname) not in self._cache:
+            if len(self._cache) >= CACHED_SHARDS:  # capture asks shard after shard: the oldest goes
+                self._cache.pop(next(iter(self._cache)))
             data = Stage(self.store, run, StageName.CAPTURE.dir).read(fname, info)
             self._cache[(run, fname)] = [json.loads(ln) for ln in data.decode().splitlines()]
         return [r for r in self._cache[(run, fname)] if r["prompt_sha256"] == sha]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from eagle_jobs.committed import RowRef
 from eagle_jobs.errors import BadInput, EagleJobsError
+from eagle_jobs.heartbeat import beat
 from eagle_jobs.layout import STREAM, StageName
 from eagle_jobs.progress import console
 from eagle_jobs.records import Split
@@ -201,8 +202,11 @@ class Window:
         return blocked in self.position and self.position[shard] <= self.position[blocked]
 
     def wait(self, shard: str, nbytes: int, say: Callable[[str], None] = console.print) -> None:
+        """Until the shard fits. A wait for training is progress: it beats the worker's heartbeat, so the
+        liveness probe does not kill a worker whose trainer starts late or checkpoints slowly."""
         started, last = time.monotonic(), None
         while (live := self.live()) and live + nbytes > self.window and not self.needed(shard):
+            beat()
             now = time.monotonic()
             if last is None or now - last >= REPORT_S:
                 say(f"  window full: {mib(live)} of {mib(self.window)} not yet trained on; "
@@ -238,6 +242,7 @@ def committed_in_order(store: Store, run_id: str, names: Sequence[str]) -> Itera
             if (m := stage.manifest(name)) is None:
                 if done:
                     return
+                beat()
                 time.sleep(POLL_S)
         yield m
 

@@ -531,12 +531,14 @@ class TrainData:
 def first_worker_count(store: Store, run_id: str) -> int:
     """The extraction's worker count, from its first committed shard's name (waits for one)."""
     from eagle_jobs import stream
+    from eagle_jobs.heartbeat import beat
     from eagle_jobs.train_data import wait_committed
 
     stage = Stage(store, run_id, StageName.EXTRACT.dir)
     started, last = time.monotonic(), None
     while not (keys := stage.store.list(stage.key("manifests"))):
         stream.check_not_failed(store, run_id)
+        beat()
         now = time.monotonic()
         if last is None or now - last >= stream.REPORT_S:  # a verifier can take an hour to load
             console.print(f"  stream: waiting for extraction's first shard ({now - started:.0f} s)", markup=False)

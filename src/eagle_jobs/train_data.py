@@ -137,6 +137,7 @@ def wait_committed(store: Store, run_id: str, shard: str, order: list[str]) -> d
 
     from eagle_jobs import stream
     from eagle_jobs.errors import BadInput
+    from eagle_jobs.heartbeat import beat
     from eagle_jobs.layout import StageName
     from eagle_jobs.progress import console
     from eagle_jobs.store import Stage
@@ -147,6 +148,7 @@ def wait_committed(store: Store, run_id: str, shard: str, order: list[str]) -> d
         stream.check_not_failed(store, run_id)
         if last is None:  # extraction lets the shard training is blocked on through a full window
             stream.mark_waiting(store, run_id, shard)
+        beat()  # waiting for extraction is progress (stream.Window.wait)
         if stage.is_complete() and stage.manifest(shard) is None:
             raise BadInput(f"train: extraction of run '{run_id}' completed without shard {shard} of the stream "
                            "plan: were the rows or the recipe changed? rerun extract with this recipe")
