@@ -134,6 +134,22 @@ def test_no_pod_memory_grows_with_the_corpus(tmp_path):
         assert not b["killed_by"], (b["role"], b["killed_by"])
         if b["role"] not in ("status",):
             assert b["first_beat_s"] is not None
+    # what the overlay renders follows from this measurement: each pod, extrapolated to the recipe's counts
+    # (its limit and 1 M conversations) along the slope just measured, with an extraction worker's shard in
+    # flight at the real scale, fits its memory limit with headroom and beats within its startup probe
+    from eagle_jobs.recipe import load_recipe
+
+    limit_rows = load_recipe(REPO / "jobs/kimi-k2.5.yaml").prompts.limit
+    for a, b in zip(small["pods"], large["pods"]):
+        if b["memory_limit"] is None:
+            continue
+        for n in (limit_rows, 1_000_000):
+            grow = max(0.0, (b["peak_rss"] - a["peak_rss"]) / 4_500) * (n - 6_000)
+            est = b["est_peak"] + grow
+            assert est <= reh.HEADROOM * b["memory_limit"], (b["role"], n, est / 2**30, b["memory_limit"] / 2**30)
+            if b["startup_window_s"] and b["first_beat_s"] is not None:
+                beat_at = b["first_beat_s"] + max(0.0, (b["first_beat_s"] - a["first_beat_s"]) / 4_500) * (n - 6_000)
+                assert beat_at <= b["startup_window_s"], (b["role"], n, beat_at)
     train = next(p for p in large["pods"] if p["role"] == "train")
     assert train["result"]["train_samples"] > 0.7 * 6_000 and train["result"]["steps_epoch0"] > 0
     assert all(p["result"]["shards"] > 0 for p in large["pods"] if p["role"] == "extract")
@@ -171,3 +187,28 @@ def test_the_prompt_index_holds_refs_and_loads_a_shards_conversations_by_range(s
         Store.open(store_uri).put("prompts/p.jsonl", changed)
     with pytest.raises(BadInput, match="changed while in use"):
         index.load([index.refs[3]])
+
+
+def test_the_reuse_index_reads_an_earlier_streamed_run_without_a_request_per_shard(tmp_path, monkeypatch):
+    """An earlier streamed run leaves a manifest and a consumed marker per shard (50,000 at the Kimi recipe):
+    the hidden-state reuse index reads the manifests concurrently and tells deleted shards by listings, never
+    a GET and a HEAD per shard before the worker's first heartbeat; states re-extract mode deleted are not reused."""
+    from eagle_jobs import reuse
+
+    st = Store.open(f"file://{tmp_path}/s")
+    Stage(st, "old", "capture").commit_shard("c", {"c.jsonl": b"{}"}, {})
+    ext = Stage(st, "old", "extract")
+    shards = [stream.StreamShard(f"00000-of-00001-{k:05d}", 0, 0, "train", (), 1) for k in range(30)]
+    for k, s in enumerate(shards):
+        ext.commit_shard(s.name, {s.fname: b"x"}, {"settings_digest": "d", "samples": [{"ids_sha256": f"h{k}"}]})
+    stream.mark_consumed(st, "old", shards[:10], delete=True, at={})  # re-extract: data gone
+    stream.mark_consumed(st, "old", shards[10:20], delete=False, at={})  # keep: data stays
+    monkeypatch.setattr(reuse, "extract_digest", lambda _r: "d")
+    calls = {"get": 0, "size": 0}
+    for name in calls:
+        real = getattr(Store, name)
+        monkeypatch.setattr(Store, name, lambda self, *a, _real=real, _n=name, **k: (
+            calls.__setitem__(_n, calls[_n] + 1), _real(self, *a, **k))[1])
+    index = reuse.HiddenStateIndex.build(st, None, "new")
+    assert sorted(index.where) == sorted(f"h{k}" for k in range(10, 30))
+    assert calls == {"get": 0, "size": 0}, calls

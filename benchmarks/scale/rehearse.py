@@ -155,6 +155,21 @@ class Moto:
         self.proc.wait()
 
 
+def store_objects(endpoint: str, bucket: str, prefix: str) -> dict[str, tuple[int, int]]:
+    """(objects, bytes) under each stage's directory of the run."""
+    import boto3
+
+    out: dict[str, list[int]] = {}
+    for page in boto3.client("s3", endpoint_url=endpoint).get_paginator("list_objects_v2").paginate(
+            Bucket=bucket, Prefix=prefix):
+        for o in page.get("Contents", []):
+            stage = o["Key"][len(prefix):].split("/", 1)[0]
+            c = out.setdefault(stage, [0, 0])
+            c[0] += 1
+            c[1] += o["Size"]
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
 def _status(pid: int) -> dict[str, int]:
     out = {}
     try:
@@ -247,6 +262,7 @@ def rehearse(recipe_path: Path, n: int, out: Path, token_scale: float, hidden_di
         for role in ("train", "evaluate", "status"):
             pods.append(run_pod(role, recipe_file, run_id, work, moto, env))
             print(f"  {role}: {pods[-1]['wall_s']} s", flush=True)
+        stored = store_objects(moto.url, "rehearsal", f"runs/{run_id}/")
     finally:
         moto.stop()
         os.environ.clear()
@@ -268,8 +284,14 @@ def rehearse(recipe_path: Path, n: int, out: Path, token_scale: float, hidden_di
             killed.append("liveness probe")
         rows.append({**p, "est_peak": est, "memory_limit": limit, "startup_window_s": startup and startup["window_s"],
                      "liveness_max_age_s": live and live["max_age_s"], "killed_by": killed})
-    return {"conversations": n, "token_scale": token_scale, "hidden_div": hidden_div, "byte_scale": scale,
-            "steady_shards": steady, "storage": storage,
+    planned_shards = sum(p["result"].get("shards", 0) for p in pods if p["role"] == "extract")
+    objs = {k: stored.get(k, (0, 0)) for k in ("capture", "extract", "stream")}
+    measured = {"capture": {"objects": objs["capture"][0], "bytes": objs["capture"][1]},
+                "extract": {"objects": 2 * planned_shards + 2, "shards_committed": objs["extract"][0] // 2,
+                            "bytes": objs["extract"][1]},
+                "stream": {"objects": objs["stream"][0]}}
+    return {"conversations": n, "token_scale": token_scale, "measured_objects": measured, "hidden_div": hidden_div,
+            "byte_scale": scale, "steady_shards": steady, "storage": storage,
             "plan": {k: plan[k] for k in ("samples", "tokens", "tokens_per_sample") if k in plan}
             | {"stages": {s: {k: v for k, v in x.items() if k in ("objects", "time_s")} for s, x in
                           plan.get("stages", {}).items()}},
@@ -300,6 +322,14 @@ def markdown(results: list[dict]) -> str:
                      gib(p["memory_limit"]), p["first_beat_s"], p["startup_window_s"], p["max_gap_s"],
                      p["liveness_max_age_s"], f"{p['requests']:,}", ", ".join(p["killed_by"]) or "none"]
             lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        st, mo = p0.get("stages", {}), r.get("measured_objects", {})
+        lines += ["", "| stage | plan: objects | measured | plan: time |", "|---|---|---|---|"]
+        for stage, what in (("capture", "objects committed"), ("extract", "2 a shard the stage planned, + 2")):
+            lines.append(f"| {stage} | {st.get(stage, {}).get('objects', 0):,} | "
+                         f"{mo.get(stage, {}).get('objects', 0):,} ({what}) | "
+                         f"{st.get(stage, {}).get('time_s', 0) / 86400:.1f} d |")
+        markers = mo.get("stream", {}).get("objects", 0)
+        lines.append(f"| stream markers | - | {markers:,} (consumed, after epoch 0) | - |")
         lines.append("")
     return "\n".join(lines)
 

@@ -118,11 +118,11 @@ class HiddenStateIndex:
         from eagle_jobs.stream import consumed
 
         idx = cls()
-        gone: dict[str, set[str]] = {}  # per run: shards a streamed run's training has finished with
+        gone: dict[str, set[str]] = {}  # per run: consumed shards whose data re-extract mode deleted
         for run, m in matching_manifests(store, run_id, StageName.EXTRACT.dir, extract_digest(recipe)):
-            if run not in gone:
-                gone[run] = consumed(store, run)
-            if m["shard"] in gone[run] and not Stage(store, run, StageName.EXTRACT.dir).is_committed(m["shard"]):
+            if run not in gone:  # three listings a run, no request per shard (50,000 at the Kimi recipe)
+                gone[run] = consumed(store, run) - Stage(store, run, StageName.EXTRACT.dir).committed_names()
+            if m["shard"] in gone[run]:
                 continue  # re-extract mode deleted its data: the manifest stays, the states do not
             for e in m["samples"]:
                 if "ids_sha256" in e:

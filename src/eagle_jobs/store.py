@@ -38,6 +38,7 @@ PART_BYTES = max(5 * 1024**2, int(os.environ.get("EAGLE_JOBS_PART_BYTES", 32 * 1
 PARALLEL_PARTS = 8
 RETRIES = int(os.environ.get("EAGLE_JOBS_STORE_RETRIES", 6))
 GET_BATCH = 256  # objects read concurrently by Store.get_many
+MANY_MANIFESTS = 2000  # Stage.manifests says when it reads this many
 
 _FATAL_CODES = {
     "NoSuchBucket", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied",
@@ -385,6 +386,10 @@ class Stage:
         from eagle_jobs.heartbeat import beat
 
         names = self.manifest_names() if names is None else names
+        if len(names) >= MANY_MANIFESTS:
+            from eagle_jobs.progress import console
+
+            console.print(f"  reading {len(names):,} manifests of {self.store.url(self.prefix)}", markup=False)
         got = self.store.get_many([self.key(f"manifests/{n}.json") for n in names], on_batch=lambda _n: beat())
         return sorted((json.loads(v) for v in got.values()), key=lambda m: m["shard"])
 
