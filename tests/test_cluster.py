@@ -11,7 +11,7 @@ import yaml
 
 from eagle_jobs import cluster
 from eagle_jobs.cluster import WatchExit
-from eagle_jobs.errors import BadInput
+from eagle_jobs.errors import BadInput, Busy
 from eagle_jobs.layout import STAGES
 from conftest import kustomize
 
@@ -82,9 +82,17 @@ def test_submit_renders_one_run_and_applies_server_side(kube):
     rv = js["metadata"]["resourceVersion"]
     cluster.submit(REPO / "k8s/overlays/full", "ci-42", kubeconfig=kc)  # idempotent
     assert fake.get(JS, "eagle-jobs-ci-42")["metadata"]["resourceVersion"] == rv
-    # a second run id is a second JobSet beside the first
+    # one run of a recipe at a time: a second run id of the same recipe is refused, nothing applied, while the
+    # first has neither a Completed nor a Failed condition; then it is a second JobSet beside the first
+    assert js["metadata"]["labels"]["eagle-jobs/recipe"] == "kimi-k2.5"
+    fake.requests.clear()
+    with pytest.raises(Busy, match=r"run ci-42 of recipe 'kimi-k2.5' is still running \(JobSet eagle-jobs-ci-42"):
+        cluster.submit(REPO / "k8s/overlays/full", "ci-43", kubeconfig=kc)
+    assert not [m for m, _p in fake.requests if m == "PATCH"] and fake.get(JS, "eagle-jobs-ci-43") is None
+    fake.set_status(JS, "eagle-jobs-ci-42", {"conditions": [{"type": "Failed", "status": "True"}]})
     cluster.submit(REPO / "k8s/overlays/full", "ci-43", kubeconfig=kc)
     assert fake.get(JS, "eagle-jobs-ci-43") is not None and fake.get(JS, "eagle-jobs-ci-42") is not None
+    cluster.submit(REPO / "k8s/overlays/smoke", "smoke-1", kubeconfig=kc)  # another recipe: beside them
 
 
 def test_submit_with_recipe_validates_it_first(kube, tmp_path):

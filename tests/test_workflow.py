@@ -61,7 +61,7 @@ def test_submitter_role_is_least_privilege():
     role = next(d for d in docs if d["kind"] == "Role")
     assert role["metadata"]["namespace"] == "eagle-jobs"
     verbs = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
-    assert verbs[("jobset.x-k8s.io", "jobsets")] >= {"get", "watch", "patch", "create"}
+    assert verbs[("jobset.x-k8s.io", "jobsets")] >= {"get", "list", "watch", "patch", "create"}  # list: one run at a time
     assert verbs[("batch", "jobs")] == {"get", "list", "watch"}
     assert verbs[("", "pods/log")] == {"get"}
     assert verbs[("", "events")] == {"list"}  # `logs` shows why a pod waits
@@ -77,3 +77,37 @@ def test_submitter_rbac_validates():
     r = subprocess.run([str(exe), "--strict", "-k", "1.33.0", str(REPO / "k8s/cluster-setup/submitter.yaml")],
                        capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.count("passed") == 3, r.stdout + r.stderr
+
+
+def _cron_period_s(expr: str) -> float:
+    """The shortest gap between two firings of a cron line (numbers and `*` fields), over two years."""
+    import datetime as dt
+
+    minute, hour, dom, month, dow = expr.split()
+
+    def ok(field: str, v: int) -> bool:
+        return field == "*" or v in {int(x) for x in field.split(",")}
+
+    t, end, fired = dt.datetime(2027, 1, 1), dt.datetime(2029, 1, 1), []
+    while t < end:
+        if ok(hour, t.hour) and ok(dom, t.day) and ok(month, t.month) and ok(dow, (t.weekday() + 1) % 7):
+            fired += [t.replace(minute=m) for m in range(60) if ok(minute, m)]
+        t += dt.timedelta(hours=1)
+    return min((b - a).total_seconds() for a, b in zip(fired, fired[1:]))
+
+
+def test_the_schedule_does_not_fire_before_a_run_of_the_recipe_ends():
+    """A scheduled retrain fires no sooner than the default recipe's planned wall time (capture, extraction,
+    training, evaluation); submit refuses an overlapping run anyway (exit 11), and the workflow reports that
+    instead of failing."""
+    from eagle_jobs.plan import make_plan
+    from eagle_jobs.recipe import load_recipe
+
+    wf = yaml.safe_load(WF.read_text())
+    (cron,) = [c["cron"] for c in _on(wf)["schedule"]]
+    recipe = wf["env"]["RECIPE"].split("'")[1]
+    plan = make_plan(load_recipe(REPO / recipe))
+    assert _cron_period_s(cron) >= plan["total_time_s"], (cron, plan["total_time_s"] / 86400)
+    runs = "\n".join(s.get("run", "") for s in wf["jobs"]["submit"]["steps"])
+    assert '"$rc" = 11' in runs and "exit 0" in runs
+    assert _cron_period_s("0 3 * * 1") == 7 * 86400  # the reader of cron lines itself

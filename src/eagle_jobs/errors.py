@@ -21,6 +21,7 @@ class ExitCode(IntEnum):
     NO_CLUSTER = 8  # submit/status/watch/logs: no cluster configuration found, or its API server did not answer
     NOT_BETTER = 9  # `promote`: the candidate does not beat the promoted draft; nothing changed
     NO_SPACE = 10  # a write found its disk full (ENOSPC/EDQUOT): nothing half-written is committed; free space, rerun
+    BUSY = 11  # `submit`: a run of the same recipe is still running; nothing applied
     CANCELLED = 130  # ^C (SIGINT): what was committed stays; rerun to resume (128 + 2)
     INTERRUPTED = 143  # SIGTERM: state was committed; rerun to resume (128 + 15)
 
@@ -50,6 +51,10 @@ class Unavailable(EagleJobsError):
 
 class NotReady(EagleJobsError):
     code = ExitCode.NOT_READY
+
+
+class Busy(EagleJobsError):
+    code = ExitCode.BUSY
 
 
 class NoCluster(EagleJobsError):

@@ -103,6 +103,7 @@ def submit(overlay: Path, run_id: str, recipe_path: Path | None = None, kubeconf
                                f"objects once: kubectl apply -k k8s/cluster-setup") from None
             if e.status not in (401, 403):
                 raise
+    check_no_other_run(api, js)
     applied = apply(api, docs)
     own_configmaps(api, docs, js)
     if shared:
@@ -110,6 +111,36 @@ def submit(overlay: Path, run_id: str, recipe_path: Path | None = None, kubeconf
     console.print(f"submitted {js['metadata']['name']} in namespace {ns}: {', '.join(applied)}")
     return {"jobset": js["metadata"]["name"], "namespace": ns, "applied": applied}
 
+
+
+def check_no_other_run(api, js: dict) -> None:
+    """One run of a recipe at a time: refuse (exit 11, nothing applied) while another JobSet of the same recipe
+    has neither a Completed nor a Failed condition. Two runs of one recipe would book the GPUs twice for the
+    same conversations (reuse takes only what the other run has committed), and the retrain schedule
+    (.github/workflows/retrain.yml) fires again before the recipe's plan says a run ends. Refused rather
+    than queued: a queued JobSet needs something to release it (Kueue does, where installed: docs/
+    OPERATIONS.md#shared-clusters-kueue); a refused submit is retried by the next schedule or by hand."""
+    from kubernetes import client
+
+    from eagle_jobs.cluster.api import condition
+    from eagle_jobs.cluster.render import RECIPE_LABEL
+    from eagle_jobs.errors import Busy
+
+    md = js["metadata"]
+    recipe = (md.get("labels") or {}).get(RECIPE_LABEL)
+    if not recipe:
+        return
+    found: dict = client.CustomObjectsApi(api).list_namespaced_custom_object(  # type: ignore[assignment]
+        GROUP, VERSION, md["namespace"], PLURAL, label_selector=f"{RECIPE_LABEL}={recipe}")
+    for other in found.get("items", []):
+        name = other["metadata"]["name"]
+        if name == md["name"] or condition(other, "Completed") or condition(other, "Failed"):
+            continue
+        since = other["metadata"].get("creationTimestamp", "?")
+        raise Busy(f"submit: run {other['metadata'].get('labels', {}).get('eagle-jobs/run-id', name)} of recipe "
+                   f"'{recipe}' is still running (JobSet {name}, created {since}): one run of a recipe at a time; "
+                   f"follow it with `eagle-jobs watch`, or delete it first (kubectl -n {md['namespace']} delete "
+                   f"jobset {name})")
 
 
 def own_configmaps(api, docs: list[dict], js: dict) -> None:

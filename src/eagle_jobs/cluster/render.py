@@ -31,6 +31,16 @@ def render(overlay: Path, run_id: str, recipe_path: Path | None = None,
     return for_run(docs, run_id, recipe_path, images)
 
 GENERATED = ("eagle-jobs-run", "eagle-jobs-recipe")  # the overlays' configMapGenerator names
+RECIPE_LABEL = "eagle-jobs/recipe"  # on the JobSet: the recipe's name, what `submit` runs one of at a time
+
+
+def recipe_label(recipe_yaml: str) -> str | None:
+    """The recipe's `name` as a label value (at most 63 of [A-Za-z0-9._-], alphanumeric at both ends)."""
+    import yaml
+
+    name = str((yaml.safe_load(recipe_yaml) or {}).get("name") or "")
+    value = re.sub(r"[^A-Za-z0-9._-]", "-", name)[:63].strip("._-")
+    return value or None
 
 
 
@@ -90,6 +100,11 @@ def for_run(docs: list[dict], run_id: str, recipe_path: Path | None = None,
         if d["kind"] == "JobSet":
             d["metadata"]["name"] = name
         out.append(d)
+    recipe_name = next((recipe_label(d["data"]["recipe.yaml"]) for d in out
+                        if d["kind"] == "ConfigMap" and "recipe.yaml" in d.get("data", {})), None)
+    for d in out:
+        if d["kind"] == "JobSet" and recipe_name:
+            d["metadata"]["labels"][RECIPE_LABEL] = recipe_name
     for d in out:
         if d["kind"] == "JobSet":
             text = json.dumps(d)
