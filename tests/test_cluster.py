@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import kustomize
 
 from eagle_jobs import cluster
 from eagle_jobs.cluster import WatchExit
 from eagle_jobs.errors import BadInput, Busy
 from eagle_jobs.layout import STAGES
-from conftest import kustomize
 
 REPO = Path(__file__).resolve().parents[1]
 NS = "eagle-jobs"

@@ -61,7 +61,8 @@ def test_submitter_role_is_least_privilege():
     role = next(d for d in docs if d["kind"] == "Role")
     assert role["metadata"]["namespace"] == "eagle-jobs"
     verbs = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
-    assert verbs[("jobset.x-k8s.io", "jobsets")] >= {"get", "list", "watch", "patch", "create"}  # list: one run at a time
+    # list: submit runs one run of a recipe at a time
+    assert verbs[("jobset.x-k8s.io", "jobsets")] >= {"get", "list", "watch", "patch", "create"}
     assert verbs[("batch", "jobs")] == {"get", "list", "watch"}
     assert verbs[("", "pods/log")] == {"get"}
     assert verbs[("", "events")] == {"list"}  # `logs` shows why a pod waits
