@@ -211,6 +211,31 @@ def test_gpus_resources_and_scheduling(rendered, overlay):
             assert "tolerations" not in pod and "affinity" not in pod
 
 
+def _tolerates(toleration: dict, taint: dict) -> bool:
+    """Kubernetes' rule (k8s.io/api core/v1 toleration.go, `Toleration.ToleratesTaint`): an empty effect or
+    key matches any; `Exists` matches any value, `Equal` (or no operator) the same value."""
+    if toleration.get("effect") and toleration["effect"] != taint["effect"]:
+        return False
+    if toleration.get("key") and toleration["key"] != taint["key"]:
+        return False
+    op = toleration.get("operator") or "Equal"
+    return op == "Exists" or (op == "Equal" and toleration.get("value", "") == taint.get("value", ""))
+
+
+@pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
+def test_the_mirror_runs_on_a_pool_of_tainted_gpu_nodes_and_prefers_a_cpu_node(rendered, overlay):
+    """A cluster whose only nodes are its GPU pool, tainted as GKE and the GPU Operator taint them, schedules
+    the mirror (no GPU asked) there; where a node without a GPU exists, the mirror prefers it."""
+    pod = _pod(_jobset(rendered[overlay]), "mirror")
+    taint = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+    assert any(_tolerates(t, taint) for t in pod["tolerations"])
+    assert not _tolerates({"key": "nvidia.com/gpu", "operator": "Equal", "value": "x"}, taint)  # the rule itself
+    (pref,) = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert pref["preference"]["matchExpressions"] == [{"key": "nvidia.com/gpu.product", "operator": "DoesNotExist"}]
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in pod["affinity"]["nodeAffinity"]
+    assert not any(c["resources"]["limits"].get("nvidia.com/gpu") for c in pod["containers"])
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_security_context_restricted(rendered, overlay):
     for d in rendered[overlay]:
@@ -671,7 +696,8 @@ def test_the_mirror_stage_copies_the_pinned_revision_into_the_store(rendered, ov
     pod = _pod(js, "mirror")
     (c,) = pod["containers"]
     assert c["image"] == _pod(js, "train")["containers"][0]["image"]  # no vLLM needed to copy files
-    assert "nvidia.com/gpu" not in c["resources"]["limits"] and "affinity" not in pod
+    assert "nvidia.com/gpu" not in c["resources"]["limits"]
+    assert set(pod["affinity"]["nodeAffinity"]) == {"preferredDuringSchedulingIgnoredDuringExecution"}  # any node
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")

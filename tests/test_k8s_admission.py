@@ -383,6 +383,8 @@ def test_submit_makes_the_jobset_own_its_configmaps(kube):
     fake, kc = kube
     for run in ("r1", "r2", "r1"):  # the second r1: idempotent, still one owner
         cluster.submit(REPO / "k8s/overlays/smoke", run, kubeconfig=kc)
+        # one run of a recipe at a time (cluster.apply.check_no_other_run): this one ends before the next
+        fake.set_status(JS_COLL, f"eagle-jobs-{run}", {"conditions": [{"type": "Completed", "status": "True"}]})
     for run in ("r1", "r2"):
         js = fake.get(JS_COLL, f"eagle-jobs-{run}")
         cms = [o for (c, n), o in fake.objects.items() if c.endswith("/configmaps") and f"-{run}-" in n]
