@@ -212,3 +212,29 @@ def test_the_reuse_index_reads_an_earlier_streamed_run_without_a_request_per_sha
     index = reuse.HiddenStateIndex.build(st, None, "new")
     assert sorted(index.where) == sorted(f"h{k}" for k in range(10, 30))
     assert calls == {"get": 0, "size": 0}, calls
+
+
+def test_a_nodes_ranks_count_the_target_tokens_once(tmp_path, monkeypatch):
+    """Every training rank needs the vocab mapping's token counts; reading every capture row takes minutes at
+    the recipe's scale, so the node's first rank counts, in a few shards at a time, and the others read its
+    counts from the work dir; a new capture (another completion) is counted again."""
+    from eagle_jobs import train
+
+    st = Store.open(f"file://{tmp_path}/s")
+    stage = Stage(st, "r", "capture")
+    for k in range(3):
+        _commit(stage, f"00000-of-00001-{k:05d}", _rows(5, start=5 * k), with_index=True)
+    stage.complete({})
+    reads = []
+    real = Store.get_many
+    monkeypatch.setattr(Store, "get_many", lambda self, keys, on_batch=None: (reads.append(len(keys)),
+                                                                              real(self, keys, on_batch))[1])
+    want = train.token_frequencies([], st, "r")
+    assert sum(want.values()) == sum(sum(r["loss_mask"]) for r in read_rows(st, "r") if r["split"] == "train")
+    reads.clear()
+    cache = tmp_path / "work" / "token-frequencies"
+    assert train.token_frequencies([], st, "r", cache) == want and reads  # the first rank counts
+    reads.clear()
+    assert train.token_frequencies([], st, "r", cache) == want and not reads  # the others read its counts
+    stage.complete({"again": True})  # a capture completed anew: counted anew
+    assert train.token_frequencies([], st, "r", cache) == want and reads

@@ -110,7 +110,7 @@ def train(recipe: Recipe, store: Store, run_id: str, _worker: int, _workers: int
     info, _tcfg, shape = tr.check_extraction(recipe, store, run_id)
     beat(force=True)
     t0 = time.monotonic()
-    _d2t, _t2d, coverage = tr.vocab_mapping(info, store, run_id, shape)
+    _d2t, _t2d, coverage = tr.vocab_mapping(info, store, run_id, shape, Path(os.environ["REHEARSAL_WORK"]))
     vocab_s = time.monotonic() - t0
     beat(force=True)
     data = tr.TrainData.create(recipe, store, run_id, info, shape, Path(os.environ["REHEARSAL_WORK"]),

@@ -97,16 +97,24 @@ def load_rows(store: Store, run_id: str, refs: list[RowRef], max_gap: int = 1 <<
     return [got[r.row_id] for r in refs]
 
 
-def iter_rows(store: Store, run_id: str, require_complete: bool = True) -> Iterator[Row]:
-    """Every committed capture row, one capture shard at a time (in shard order): memory of a shard."""
+def iter_rows(store: Store, run_id: str, require_complete: bool = True, at_once: int = 8) -> Iterator[Row]:
+    """Every committed capture row, in shard order, `at_once` shards read together (sha256-checked against
+    their manifests): memory of that many shards, never the corpus."""
+    from eagle_jobs.errors import StoreError
+    from eagle_jobs.store import sha256
+
     stage = _capture_stage(store, run_id, require_complete)
-    for name in sorted(stage.manifest_names()):
-        m = stage.manifest(name)
-        if m is None:
-            continue
-        (fname, info), = m["files"].items()
-        for line in stage.read(fname, info).splitlines():
-            yield json.loads(line)
+    files = [(fname, info) for m in stage.manifests() for fname, info in m["files"].items()]
+    for i in range(0, len(files), at_once):
+        part = files[i : i + at_once]
+        got = store.get_many([stage.key(f"data/{f}") for f, _ in part])
+        for fname, info in part:
+            data = got.get(stage.key(f"data/{fname}"))
+            if data is None or sha256(data) != info["sha256"]:
+                raise StoreError(f"store {store.url(stage.key('data/' + fname))}: missing, or its sha256 differs "
+                                 "from its manifest; rerun capture")
+            for line in data.splitlines():
+                yield json.loads(line)
 
 
 def read_rows(store: Store, run_id: str, require_complete: bool = True) -> list[Row]:
