@@ -216,6 +216,7 @@ def run_pod(role: str, recipe_file: Path, run_id: str, work: Path, moto: Moto, e
     result = json.loads(text.rsplit("REHEARSAL-RESULT ", 1)[1].splitlines()[0])
     points = [0.0, *beats, wall]
     return {"role": role, "worker": worker, "wall_s": round(wall, 1), "peak_rss": peak,
+            "beats": [round(b, 1) for b in beats[:: max(1, len(beats) // 400)]],
             "first_beat_s": round(beats[0], 1) if beats else None,
             "max_gap_s": round(max(b - a for a, b in zip(points[1:], points[2:])), 1) if len(beats) > 1 else None,
             "requests": moto.requests() - before, "result": result, "rss_series": series[:: max(1, len(series) // 400)]}
@@ -340,15 +341,22 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
-    for ax, r in zip(axes[0], results):
+    fig, axes = plt.subplots(2, len(results), figsize=(6 * len(results), 7), squeeze=False)
+    for k, r in enumerate(results):
+        ax, gaps = axes[0][k], axes[1][k]
         for p in r["pods"]:
-            xs = [t for t, _ in p["rss_series"]]
-            ax.plot(xs, [v / 2**30 for _, v in p["rss_series"]], label=f"{p['role']} {p['worker']}")
+            label = f"{p['role']} {p['worker']}"
+            ax.plot([t for t, _ in p["rss_series"]], [v / 2**30 for _, v in p["rss_series"]], label=label)
+            beats = p.get("beats") or []
+            if len(beats) > 1:  # how long each beat came after the one before it
+                gaps.plot(beats[1:], [b - a for a, b in zip(beats, beats[1:])], ".", label=label)
         ax.set_title(f"{r['conversations']:,} conversations: RSS over each pod's run")
-        ax.set_xlabel("s since the pod started")
         ax.set_ylabel("RSS GiB")
         ax.legend(fontsize=7)
+        gaps.set_title("heartbeat gaps (the liveness probe allows 1,800 s)")
+        gaps.set_xlabel("s since the pod started")
+        gaps.set_ylabel("s since the previous beat")
+        gaps.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
