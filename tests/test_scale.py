@@ -238,3 +238,30 @@ def test_a_nodes_ranks_count_the_target_tokens_once(tmp_path, monkeypatch):
     assert train.token_frequencies([], st, "r", cache) == want and not reads  # the others read its counts
     stage.complete({"again": True})  # a capture completed anew: counted anew
     assert train.token_frequencies([], st, "r", cache) == want and reads
+
+
+def test_a_window_wait_ends_when_training_stops_marking_itself_alive(tmp_path, monkeypatch):
+    """Every wait still ends when the other side is gone: an extractor on a full window waits for a trainer
+    that has not started (no mark yet) or marks itself alive, and fails (exit 5, retried) once the mark goes
+    stale, instead of beating its heartbeat for ever."""
+    from eagle_jobs.errors import Unavailable
+
+    st = Store.open(f"file://{tmp_path}/s")
+    stage = Stage(st, "r", "extract")
+    stage.commit_shard("a", {"a.safetensors": b"x" * 100}, {"samples": [{"split": "train"}]})
+    monkeypatch.setattr(stream, "POLL_S", 0.01)
+    monkeypatch.setattr(stream, "REPORT_S", 0.0)
+    window = stream.Window(st, "r", 150, [stream.StreamShard(n, 0, 0, "train", (), 100) for n in "ab"])
+    stream.check_training_alive(st, "r", window.started)  # no trainer yet: waited for
+    st.put_json(stream.alive_key("r"), {"at": time.time() - 3600, "started_at": window.started - 7200})
+    stream.check_training_alive(st, "r", window.started)  # an earlier attempt's trainer: its successor waited for
+    monkeypatch.setattr(stream, "ALIVE_EVERY_S", 0.05)
+    alive = stream.TrainingAlive(st, "r").start()
+    time.sleep(0.2)
+    stream.check_training_alive(st, "r", window.started, stale_s=1.0)  # alive: waited for
+    alive.stop()
+    alive.thread.join(5)
+    # this attempt's trainer, its last mark an hour ago
+    st.put_json(stream.alive_key("r"), {"at": time.time() - 3600, "started_at": alive.started_at})
+    with pytest.raises(Unavailable, match="training of run 'r' last marked itself alive 3600 s ago"):
+        window.wait("b", 100, say=lambda _m: None)

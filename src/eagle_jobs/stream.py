@@ -40,6 +40,8 @@ GROUP_SHARE, CHECKPOINT_SHARE = 8, 4  # a shuffle group <= W/8; a checkpoint onc
 POLL_S = 1.0  # how often a waiting side looks at the store again
 REPORT_S = 30.0  # and how often it says that it is still waiting
 RECOUNT_S = 60.0  # extraction counts the window's bytes at least this often (Window.wait)
+ALIVE_EVERY_S = 60.0  # training's rank 0 marks itself alive on the store this often (TrainingAlive)
+TRAINING_STALE_S = 1800.0  # a window wait ends once training's mark is this old: the window will not drain
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,7 @@ class Window:
         # read once
         self._sizes: dict[str, int] = {s.name: 0 if s.split == "validation" else s.planned_bytes for s in order}
         self._counted: tuple[int, float, int] | None = None  # (live at the last count, when, committed since)
+        self.started = time.time()  # this worker's start: a trainer that marked itself alive before it is older
 
     def live(self) -> int:
         """Bytes of committed training shards training has not finished with (validation shards are kept
@@ -225,6 +228,8 @@ class Window:
             beat()
             now = time.monotonic()
             if last is None or now - last >= REPORT_S:
+                check_training_alive(self.store, self.run_id, self.started)
+            if last is None or now - last >= REPORT_S:
                 say(f"  window full: {mib(live)} of {mib(self.window)} not yet trained on; "
                     f"waiting for training ({now - started:.0f} s)")
                 last = now
@@ -233,6 +238,58 @@ class Window:
 
 
 # -- a failure on one side, seen by the other ------------------------------------------------
+def alive_key(run_id: str) -> str:
+    return f"{run_id}/{STREAM}/training-alive.json"
+
+
+class TrainingAlive:
+    """Training's rank 0 rewrites `<run>/stream/training-alive.json` every ALIVE_EVERY_S from a daemon thread
+    while its process lives: an extraction worker waiting on a full window tells a trainer that is slow
+    (it waits) from one that is gone (check_training_alive)."""
+
+    def __init__(self, store: Store, run_id: str):
+        import threading
+
+        self.store, self.run_id, self._stop = store, run_id, threading.Event()
+        self.started_at = time.time()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.store.put_json(alive_key(self.run_id), {"at": time.time(), "started_at": self.started_at})
+            except Exception:  # noqa: BLE001 - a missed mark is retried; the trainer's own reads fail loudly
+                pass
+            if self._stop.wait(ALIVE_EVERY_S):
+                return
+
+    def start(self) -> "TrainingAlive":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def check_training_alive(store: Store, run_id: str, since: float, stale_s: float = TRAINING_STALE_S) -> None:
+    """Extraction, waiting for training to free the window: fail (exit 5, retried) once a trainer that started
+    after this worker (`since`) marked itself alive and then not for `stale_s`: a window nobody drains never
+    frees. A trainer that has not started yet (its node, its image pull) is waited for, as the stage's
+    deadline allows, and so is the mark of one that started before this worker: an earlier attempt's, whose
+    successor has not started yet."""
+    from eagle_jobs.errors import Unavailable
+
+    try:
+        mark = store.get_json(alive_key(run_id))
+    except FileNotFoundError:
+        return
+    at = float(mark["at"])
+    if float(mark.get("started_at", at)) >= since and time.time() - at > stale_s:
+        raise Unavailable(f"stream: training of run '{run_id}' last marked itself alive {time.time() - at:.0f} s "
+                          f"ago (> {stale_s:.0f} s) and the window is full: nothing will drain it; failing so the "
+                          "run restarts (training resumes at its last checkpoint)")
+
+
 def failed_key(run_id: str) -> str:
     return f"{run_id}/{STREAM}/extract-failed.json"
 

@@ -550,6 +550,8 @@ class TrainData:
         console.print(f"  stream: {len(order)} shards planned ({len(groups)} shuffle groups), window "
                       f"{stream.mib(window)}, later epochs {t.later_epochs}")
         feed = StreamFeed(store, run_id, sampler, groups, reextract, window, stream.consumed(store, run_id))
+        if get_dp_rank() == 0:  # extraction's window wait tells a slow trainer from a gone one by this mark
+            stream.TrainingAlive(store, run_id).start()
         return cls(items, train, val, feed)
 
 
