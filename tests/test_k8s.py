@@ -429,6 +429,35 @@ def test_skaffold_config():
     assert "--force" in json.dumps(cfg["deploy"]) or "force" in json.dumps(cfg["deploy"])
 
 
+def skaffold_pushes(cfg: dict, profile: str, local_cluster: bool, push_flag: bool | None = None) -> bool:
+    """skaffold v2.24.0's rule for a local build (pkg/skaffold/build/local/types.go:93-102): --push if given,
+    else build.local.push if set (after the profile's patches), else the cluster's default, which pushes to
+    a remote cluster and not to a local kind/k3d/minikube one (pkg/skaffold/config/util.go:284)."""
+    local = dict(cfg["build"].get("local") or {})
+    for p in cfg.get("profiles", []):
+        if p["name"] == profile:
+            for op in p.get("patches", []):
+                if op["path"] == "/build/local":
+                    local = dict(op["value"])
+                elif op["path"] == "/build/local/push":
+                    local["push"] = op["value"]
+    if push_flag is not None:
+        return push_flag
+    if local.get("push") is not None:
+        return bool(local["push"])
+    return not local_cluster
+
+
+def test_skaffold_pushes_to_a_real_cluster_and_loads_into_a_local_one():
+    """The smoke and full profiles deploy to a real cluster, whose nodes pull only what a registry has: every
+    profile pushes there; into a local dev cluster (kind, minikube) skaffold loads the images instead."""
+    cfg = yaml.safe_load((REPO / "skaffold.yaml").read_text())
+    for profile in ("dev", "smoke", "full"):
+        assert skaffold_pushes(cfg, profile, local_cluster=False)
+        assert not skaffold_pushes(cfg, profile, local_cluster=True)
+    assert not skaffold_pushes({"build": {"local": {"push": False}}}, "full", local_cluster=False)  # the rule itself
+
+
 # -- what a real cluster enforces beyond the CRD schema -----------------------------------------------
 RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
