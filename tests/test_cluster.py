@@ -406,3 +406,16 @@ def test_submit_pins_the_images_ci_built_and_records_them_for_lineage(kube):
 def _pod_image(js, stage):
     rj = next(r for r in js["spec"]["replicatedJobs"] if r["name"] == stage)
     return rj["template"]["spec"]["template"]["spec"]["containers"][0]["image"]
+
+
+@pytest.mark.parametrize("name", ["kimi-k2.5", "Kimi K2.5 / thinking (v2)", "-" * 3 + "x" * 80 + "_", "%%%"])
+def test_the_recipe_label_is_a_label_value_the_api_server_accepts(name):
+    """apimachinery v0.33.0 pkg/util/validation/validation.go:154-165 (IsValidLabelValue): empty, or at most
+    63 characters of [-A-Za-z0-9_.] that begin and end alphanumeric; a name with nothing usable gets no label."""
+    from eagle_jobs.cluster.render import recipe_label
+
+    value = recipe_label(f"name: {json.dumps(name)}\n")
+    if value is None:
+        assert not re.sub(r"[^A-Za-z0-9]", "", name)
+        return
+    assert len(value) <= 63 and re.fullmatch(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]", value), value

@@ -212,8 +212,9 @@ def test_gpus_resources_and_scheduling(rendered, overlay):
 
 
 def _tolerates(toleration: dict, taint: dict) -> bool:
-    """Kubernetes' rule (k8s.io/api core/v1 toleration.go, `Toleration.ToleratesTaint`): an empty effect or
-    key matches any; `Exists` matches any value, `Equal` (or no operator) the same value."""
+    """Kubernetes' rule (k8s.io/api v0.33.0, Kubernetes 1.33, core/v1/toleration.go:38-56,
+    `Toleration.ToleratesTaint`): an empty effect or key matches any; `Exists` matches any value, `Equal`
+    (or no operator) the same value."""
     if toleration.get("effect") and toleration["effect"] != taint["effect"]:
         return False
     if toleration.get("key") and toleration["key"] != taint["key"]:

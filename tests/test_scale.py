@@ -15,7 +15,7 @@ import pytest
 
 from eagle_jobs import heartbeat, stream
 from eagle_jobs import store as store_mod
-from eagle_jobs.committed import load_rows, read_rows, row_index, row_refs
+from eagle_jobs.committed import encode_rows, load_rows, read_rows, row_index, row_refs
 from eagle_jobs.errors import BadInput
 from eagle_jobs.store import Stage, Store
 
@@ -30,8 +30,9 @@ def _rows(n: int, start: int = 0) -> list[dict]:
 
 
 def _commit(stage: Stage, name: str, rows: list[dict], with_index: bool) -> None:
-    blob = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
-    stage.commit_shard(name, {f"{name}.jsonl": blob}, {"row_index": row_refs(blob)} if with_index else {})
+    blob, index = encode_rows(rows)  # as capture commits a shard
+    assert index == row_refs(blob)  # what a reader derives from a shard committed without one
+    stage.commit_shard(name, {f"{name}.jsonl": blob}, {"row_index": index} if with_index else {})
 
 
 @pytest.mark.parametrize("with_index", [True, False])

@@ -12,14 +12,13 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
 import torch
 
-from eagle_jobs.committed import row_refs
+from eagle_jobs.committed import encode_rows
 from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.prompts import Conversation, PromptRef, check_rejects, scan_prompts
@@ -418,11 +417,11 @@ def _capture_shards(recipe, worker: ShardWorker, todo: list[tuple[int, list[Prom
         def commit(k: int, chunk: list[Conversation], rows: list[Row], stats: ShardStats) -> None:
             advance(len(chunk), 0)
             rows.sort(key=lambda r: r["row_id"])
-            blob = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
+            blob, index = encode_rows(rows)
             name = worker.shard_name(k)
             tokens = sum(len(r["input_ids"]) for r in rows)
             worker.stage.commit_shard(name, {f"{name}.jsonl": blob}, {
-                "rows": len(rows), "tokens": tokens, "row_index": row_refs(blob),
+                "rows": len(rows), "tokens": tokens, "row_index": index,
                 "prompt_indices": [c.index for c in chunk], "prompt_sha256s": [c.sha for c in chunk],
                 "skipped_too_long": stats.skipped, "reused_conversations": stats.reused,
                 "settings_digest": capture_digest(recipe),

@@ -15,7 +15,7 @@ from typing import NamedTuple
 from eagle_jobs.errors import BadInput, NotReady
 from eagle_jobs.layout import StageName, train_dir
 from eagle_jobs.records import Row, Split
-from eagle_jobs.store import Stage, Store
+from eagle_jobs.store import Stage, Store, nearby_runs
 
 
 class RowRef(NamedTuple):
@@ -34,13 +34,26 @@ class RowRef(NamedTuple):
     length: int
 
 
+def _index_entry(r: Row, start: int, length: int) -> list:
+    """One entry of a capture manifest's `row_index` (docs/FORMAT.md#capture)."""
+    return [r["row_id"], r["split"], len(r["input_ids"]), sum(r["loss_mask"]), start, length]
+
+
+def encode_rows(rows: list[Row]) -> tuple[bytes, list[list]]:
+    """A capture shard's JSONL bytes, one row a line, and its manifest's `row_index`."""
+    lines = [(json.dumps(r, ensure_ascii=False) + "\n").encode() for r in rows]
+    index, start = [], 0
+    for r, line in zip(rows, lines):
+        index.append(_index_entry(r, start, len(line)))
+        start += len(line)
+    return b"".join(lines), index
+
+
 def row_refs(blob: bytes) -> list[list]:
-    """The `row_index` of a capture shard's manifest, one [row_id, split, num_tokens, loss_tokens, start,
-    length] per line of its JSONL `blob` (docs/FORMAT.md#capture)."""
+    """The `row_index` of a capture shard committed without one, from its JSONL `blob`."""
     out, start = [], 0
     for line in blob.splitlines(keepends=True):
-        r = json.loads(line)
-        out.append([r["row_id"], r["split"], len(r["input_ids"]), sum(r["loss_mask"]), start, len(line)])
+        out.append(_index_entry(json.loads(line), start, len(line)))
         start += len(line)
     return out
 
@@ -78,41 +91,26 @@ def load_rows(store: Store, run_id: str, refs: list[RowRef], max_gap: int = 1 <<
     for r in refs:
         by_shard.setdefault(r.shard, []).append(r)
     for shard, rs in by_shard.items():
-        rs.sort(key=lambda r: r.start)
         key = stage.key(f"data/{shard}.jsonl")
-        i = 0
-        while i < len(rs):
-            j = i + 1
-            while j < len(rs) and rs[j].start - (rs[j - 1].start + rs[j - 1].length) <= max_gap:
-                j += 1
-            lo, hi = rs[i].start, rs[j - 1].start + rs[j - 1].length
-            blob = store.get(key, lo, hi)
-            for r in rs[i:j]:
+        for run in nearby_runs(rs, lambda r: (r.start, r.length), max_gap):
+            lo = run[0].start
+            blob = store.get(key, lo, run[-1].start + run[-1].length)
+            for r in run:
                 row = json.loads(blob[r.start - lo : r.start - lo + r.length])
                 if row["row_id"] != r.row_id:
                     raise BadInput(f"capture shard {store.url(key)}: bytes {r.start}+{r.length} hold row "
                                    f"{row['row_id']}, its manifest says {r.row_id}; rerun capture")
                 got[r.row_id] = row
-            i = j
     return [got[r.row_id] for r in refs]
 
 
 def iter_rows(store: Store, run_id: str, require_complete: bool = True, at_once: int = 8) -> Iterator[Row]:
     """Every committed capture row, in shard order, `at_once` shards read together (sha256-checked against
     their manifests): memory of that many shards, never the corpus."""
-    from eagle_jobs.errors import StoreError
-    from eagle_jobs.store import sha256
-
     stage = _capture_stage(store, run_id, require_complete)
     files = [(fname, info) for m in stage.manifests() for fname, info in m["files"].items()]
     for i in range(0, len(files), at_once):
-        part = files[i : i + at_once]
-        got = store.get_many([stage.key(f"data/{f}") for f, _ in part])
-        for fname, info in part:
-            data = got.get(stage.key(f"data/{fname}"))
-            if data is None or sha256(data) != info["sha256"]:
-                raise StoreError(f"store {store.url(stage.key('data/' + fname))}: missing, or its sha256 differs "
-                                 "from its manifest; rerun capture")
+        for data in stage.read_many(files[i : i + at_once]):
             for line in data.splitlines():
                 yield json.loads(line)
 

@@ -22,7 +22,7 @@ import importlib.util
 import io
 import json
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, TextIO
@@ -32,6 +32,7 @@ from eagle_jobs.layout import content_hash
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import PromptSpec
 from eagle_jobs.records import Split
+from eagle_jobs.store import nearby_runs
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 # ShareGPT's `from` values seen in the wild (ShareGPT V3, Vicuna, EAGLE's data scripts)
@@ -228,13 +229,19 @@ def _open_binary(source: str):
     return open(_local(source), "rb")
 
 
-def _read_range(source: str, start: int, end: int) -> bytes:
+def _range_reader(source: str) -> Callable[[int, int], bytes]:
+    """read(start, end) of the prompt set's bytes, its store opened (and checked) once."""
     if source.startswith(("s3://", "file://")):
         store, name = _store_object(source)
-        return store.get(name, start, end)
-    with open(_local(source), "rb") as f:
-        f.seek(start)
-        return f.read(end - start)
+        return lambda start, end: store.get(name, start, end)
+    path = _local(source)
+
+    def read(start: int, end: int) -> bytes:
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+
+    return read
 
 
 def _jsonl(lines, source: str, rejects: Rejects) -> Iterator[tuple[object, str, tuple[int, int]]]:
@@ -338,19 +345,19 @@ class PromptIndex:
     chars: int  # of all messages' content: what `plan` prices prompts by
     generations: int  # user turns: the answers capture regenerates
     kept: dict[int, tuple] = field(default_factory=dict)
+    _read: Callable[[int, int], bytes] | None = field(default=None, repr=False, compare=False)
 
     def load(self, refs: list[PromptRef], max_gap: int = 1 << 20) -> list[Conversation]:
         """The conversations of `refs`, in their order: nearby lines of the source share one range read."""
         msgs: dict[int, tuple] = {r.position: self.kept[r.position] for r in refs if r.start < 0}
-        ranged = sorted((r for r in refs if r.start >= 0), key=lambda r: r.start)
-        i = 0
-        while i < len(ranged):
-            j = i + 1
-            while j < len(ranged) and ranged[j].start - (ranged[j - 1].start + ranged[j - 1].length) <= max_gap:
-                j += 1
-            lo = ranged[i].start
-            blob = _read_range(self.spec.source, lo, ranged[j - 1].start + ranged[j - 1].length)
-            for r in ranged[i:j]:
+        ranged = [r for r in refs if r.start >= 0]
+        if ranged and self._read is None:
+            self._read = _range_reader(self.spec.source)
+        for run in nearby_runs(ranged, lambda r: (r.start, r.length), max_gap):
+            lo = run[0].start
+            assert self._read is not None
+            blob = self._read(lo, run[-1].start + run[-1].length)
+            for r in run:
                 try:
                     whole = _messages(json.loads(blob[r.start - lo : r.start - lo + r.length]))
                 except (_Bad, json.JSONDecodeError, UnicodeDecodeError):
@@ -359,7 +366,6 @@ class PromptIndex:
                     raise BadInput(f"prompts {self.spec.source}: changed while in use (line at byte {r.start}); "
                                    "a prompt set is read-only once a run starts: use a new file")
                 msgs[r.position] = tuple(_first_turns(whole, self.spec.max_turns))
-            i = j
         return [Conversation(r.position, msgs[r.position], r.sha, r.split) for r in refs]
 
 

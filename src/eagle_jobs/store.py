@@ -65,6 +65,20 @@ def _is_transient(exc: BaseException) -> bool:
     return isinstance(exc, (ConnectionError, TimeoutError, OSError, asyncio.TimeoutError))
 
 
+def nearby_runs(items: Sequence[T], span: Callable[[T], tuple[int, int]], max_gap: int) -> Iterator[list[T]]:
+    """`items` sorted by start and cut into runs whose neighbours are at most `max_gap` bytes apart (span:
+    (start, length)): a run is one range read of the bytes from its first start to its last end."""
+    ordered = sorted(items, key=lambda x: span(x)[0])
+    run: list[T] = []
+    for x in ordered:
+        if run and span(x)[0] - sum(span(run[-1])) > max_gap:
+            yield run
+            run = []
+        run.append(x)
+    if run:
+        yield run
+
+
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -403,10 +417,27 @@ class Stage:
 
     def read(self, fname: str, verify: dict | None = None) -> bytes:
         data = self.store.get(self.key(f"data/{fname}"))
+        self._check(fname, data, verify)
+        return data
+
+    def read_many(self, files: Sequence[tuple[str, dict]]) -> list[bytes]:
+        """The data objects of `files` ((name, manifest file info) each), read together, each checked as `read`
+        checks it."""
+        got = self.store.get_many([self.key(f"data/{f}") for f, _ in files])
+        out = []
+        for fname, info in files:
+            data = got.get(self.key(f"data/{fname}"))
+            if data is None:
+                raise StoreError(f"store {self.store.url(self.key('data/' + fname))}: missing, though its "
+                                 "manifest is committed; rerun the stage")
+            self._check(fname, data, info)
+            out.append(data)
+        return out
+
+    def _check(self, fname: str, data: bytes, verify: dict | None) -> None:
         if verify is not None and sha256(data) != verify["sha256"]:
             raise StoreError(f"store {self.store.url(self.key('data/' + fname))}: "
                              "sha256 mismatch with its manifest; rerun the stage")
-        return data
 
     def iter_objects(self) -> Iterator[tuple[dict, str, bytes]]:
         for m in self.manifests():

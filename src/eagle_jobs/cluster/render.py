@@ -35,7 +35,9 @@ RECIPE_LABEL = "eagle-jobs/recipe"  # on the JobSet: the recipe's name, what `su
 
 
 def recipe_label(recipe_yaml: str) -> str | None:
-    """The recipe's `name` as a label value (at most 63 of [A-Za-z0-9._-], alphanumeric at both ends)."""
+    """The recipe's `name` as a label value: at most 63 of [A-Za-z0-9._-], alphanumeric at both ends, as the
+    API server validates it (k8s.io/apimachinery v0.33.0 pkg/util/validation/validation.go:154-165,
+    IsValidLabelValue)."""
     import yaml
 
     name = str((yaml.safe_load(recipe_yaml) or {}).get("name") or "")
