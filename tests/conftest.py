@@ -237,7 +237,8 @@ def draft_call_kwargs(recipe, loss_implementation: str) -> dict:
 # the fixtures and modules a test uses; train and index are read from the source; vllm is marked per module
 # or per test, and the guard below fails a test that starts real vLLM without the marker, so the fast tier
 # stays fast.
-K8S_MODULES = {"test_k8s", "test_k8s_compare", "test_k8s_admission", "test_k8s_failure", "test_cluster", "test_workflow", "test_images"}
+K8S_MODULES = {"test_k8s", "test_k8s_compare", "test_k8s_admission", "test_k8s_failure", "test_cluster", "test_workflow",
+               "test_images", "test_guard"}
 REAL_VLLM = {str(Path(sys.executable).parent / "vllm"), "eagle_jobs.vllm_cpu"}
 
 
@@ -390,3 +391,44 @@ def pytest_runtest_protocol(item, nextitem):
                             "end": round(time.time(), 1), "wall": round(time.monotonic() - t0, 1),
                             "self": round(s1 - s0, 1), "children": round(c1 - c0, 1)}) + "\n")
 
+
+# -- the fake Kubernetes API server (tests/fake_kube.py) with k8s/cluster-setup applied, as an admin leaves it --
+NS = "eagle-jobs"
+JS = f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets"
+JOBS = f"/apis/batch/v1/namespaces/{NS}/jobs"
+PODS = f"/api/v1/namespaces/{NS}/pods"
+
+
+@pytest.fixture
+def kube(tmp_path):
+    from fake_kube import FakeKube
+
+    fake = FakeKube()
+    url = fake.start()
+    cfg = {"apiVersion": "v1", "kind": "Config", "current-context": "fake",
+           "clusters": [{"name": "fake", "cluster": {"server": url}}],
+           "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "ci", "namespace": NS}}],
+           "users": [{"name": "ci", "user": {"token": "t"}}]}
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(cfg))
+    admin_setup(fake)
+    yield fake, str(path)
+    fake.stop()
+
+
+COLLECTIONS = {"Namespace": "/api/v1/namespaces", "ServiceAccount": f"/api/v1/namespaces/{NS}/serviceaccounts",
+               "Role": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles",
+               "RoleBinding": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/rolebindings",
+               "NetworkPolicy": f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies",
+               "PriorityClass": "/apis/scheduling.k8s.io/v1/priorityclasses",
+               "ValidatingAdmissionPolicy": "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies",
+               "ValidatingAdmissionPolicyBinding":
+                   "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings"}
+
+
+def admin_setup(fake) -> None:
+    """k8s/cluster-setup as an admin's `kubectl apply -k` leaves it: owned by kubectl's field manager."""
+    for d in kustomize(REPO / "k8s/cluster-setup"):
+        d["metadata"]["managedFields"] = [{"manager": "kubectl-client-side-apply", "operation": "Update"}]
+        fake.put(COLLECTIONS[d["kind"]], d)
+    fake.requests.clear()

@@ -6,7 +6,7 @@ eagle-jobs uses, following the documented conventions:
 
 - Paths, verbs, List objects and `resourceVersion`: Kubernetes API concepts
   (kubernetes.io/docs/reference/using-api/api-concepts/): collections under
-  /api/v1 and /apis/<group>/<version>, `?labelSelector=` (equality-based),
+  /api/v1 and /apis/<group>/<version>, `?labelSelector=` (equality-based: =, ==, !=),
   `?fieldSelector=metadata.name=`, `?watch=true&resourceVersion=&timeoutSeconds=`
   streaming newline-delimited `{"type": ADDED|MODIFIED|DELETED|ERROR, "object": ...}`;
   a resourceVersion older than the server keeps gives an ERROR event carrying
@@ -112,8 +112,13 @@ class FakeKube:
         for sel in q.get("labelSelector", []):
             labels = obj["metadata"].get("labels") or {}
             for term in filter(None, sel.split(",")):
+                if "!=" in term:  # "!=": the label differs or is absent (equality-based requirements, labels docs)
+                    k, _, v = term.partition("!=")
+                    if labels.get(k) == v:
+                        return False
+                    continue
                 k, _, v = term.partition("=")
-                if labels.get(k) != v:
+                if labels.get(k) != v.removeprefix("="):  # "=" and "==" are the same requirement
                     return False
         for sel in q.get("fieldSelector", []):
             for term in filter(None, sel.split(",")):

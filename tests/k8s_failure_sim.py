@@ -57,12 +57,15 @@ def _status(name: str, code: int | None) -> dict:
     return {"name": name, "image": "x", "imageID": "", "ready": False, "restartCount": 0, "state": state}
 
 
-def failed_pod(worker: int | None = None, prepare: int | None = None, disrupted: bool = False) -> dict:
-    """A failed pod's status: the worker's exit code, or prepare's (the worker then never ran), and
-    whether it carries the DisruptionTarget condition (preempted, evicted, its node drained)."""
+def failed_pod(worker: int | None = None, prepare: int | None = None, disrupted: bool = False,
+               guard: int | None = None) -> dict:
+    """A failed pod's status: the worker's exit code, or prepare's (the worker then never ran), or the
+    run's guard's (its one container), and whether it carries the DisruptionTarget condition (preempted,
+    evicted, its node drained)."""
     init = [] if prepare is None else [_status("prepare", prepare)]
+    main = [_status("guard", guard)] if guard is not None else [_status("worker", worker)]
     return {"phase": "Failed", "conditions": [DISRUPTED] if disrupted else [],
-            "initContainerStatuses": init, "containerStatuses": [_status("worker", worker)]}
+            "initContainerStatuses": init, "containerStatuses": main}
 
 
 # -- Kubernetes: pod_failure_policy.go ----------------------------------------------------------

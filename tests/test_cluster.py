@@ -7,8 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import kustomize
+from conftest import COLLECTIONS, JOBS, JS, NS, PODS
 
 from eagle_jobs import cluster
 from eagle_jobs.cluster import WatchExit
@@ -16,47 +15,6 @@ from eagle_jobs.errors import BadInput, Busy
 from eagle_jobs.layout import STAGES
 
 REPO = Path(__file__).resolve().parents[1]
-NS = "eagle-jobs"
-JS = f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets"
-JOBS = f"/apis/batch/v1/namespaces/{NS}/jobs"
-PODS = f"/api/v1/namespaces/{NS}/pods"
-
-
-@pytest.fixture
-def kube(tmp_path):
-    from fake_kube import FakeKube
-
-    fake = FakeKube()
-    url = fake.start()
-    cfg = {"apiVersion": "v1", "kind": "Config", "current-context": "fake",
-           "clusters": [{"name": "fake", "cluster": {"server": url}}],
-           "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "ci", "namespace": NS}}],
-           "users": [{"name": "ci", "user": {"token": "t"}}]}
-    path = tmp_path / "kubeconfig"
-    path.write_text(yaml.safe_dump(cfg))
-    admin_setup(fake)
-    yield fake, str(path)
-    fake.stop()
-
-
-COLLECTIONS = {"Namespace": "/api/v1/namespaces", "ServiceAccount": f"/api/v1/namespaces/{NS}/serviceaccounts",
-               "Role": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles",
-               "RoleBinding": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/rolebindings",
-               "NetworkPolicy": f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies",
-               "PriorityClass": "/apis/scheduling.k8s.io/v1/priorityclasses",
-               "ValidatingAdmissionPolicy": "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies",
-               "ValidatingAdmissionPolicyBinding":
-                   "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings"}
-
-
-def admin_setup(fake) -> None:
-    """k8s/cluster-setup as an admin's `kubectl apply -k` leaves it: owned by kubectl's field manager."""
-    for d in kustomize(REPO / "k8s/cluster-setup"):
-        d["metadata"]["managedFields"] = [{"manager": "kubectl-client-side-apply", "operation": "Update"}]
-        fake.put(COLLECTIONS[d["kind"]], d)
-    fake.requests.clear()
-
-
 def _configmap(fake, prefix):
     (cm,) = [o for (c, n), o in fake.objects.items() if c.endswith("/configmaps") and n.startswith(prefix)]
     return cm

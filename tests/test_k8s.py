@@ -147,8 +147,9 @@ def test_jobset_matches_crd_schema(rendered, overlay):
 def test_pipeline_shape(rendered, overlay):
     js = _jobset(rendered[overlay])
     rjs = js["spec"]["replicatedJobs"]
-    assert [r["name"] for r in rjs] == ["mirror"] * MIRRORED[overlay] + STAGES
-    assert rjs[0].get("dependsOn") is None
+    assert [r["name"] for r in rjs] == ["mirror"] * MIRRORED[overlay] + STAGES + ["guard"]
+    assert rjs[0].get("dependsOn") is None and rjs[-1].get("dependsOn") is None  # the guard starts with the run
+    rjs = rjs[:-1]
     # a recipe that streams (full's) trains once extraction is Ready (components/stream); else in turn
     recipe = yaml.safe_load(_configmaps(rendered[overlay])["eagle-jobs-recipe"]["recipe.yaml"])
     streams = recipe.get("train", {}).get("source") == "stream"
@@ -248,7 +249,8 @@ def test_security_context_restricted(rendered, overlay):
         for pod in pods:
             assert pod["securityContext"]["runAsNonRoot"] is True
             assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
-            assert pod.get("automountServiceAccountToken") is False
+            # no API token, but in the guard, whose ServiceAccount may only read its JobSet and pods
+            assert pod.get("automountServiceAccountToken") is (pod["serviceAccountName"] == "eagle-jobs-guard")
             assert not pod.get("hostIPC") and not pod.get("hostNetwork")
             assert not any("hostPath" in v for v in pod["volumes"])
             for c in pod["containers"] + pod.get("initContainers", []):
@@ -261,17 +263,19 @@ def test_security_context_restricted(rendered, overlay):
 
 
 @pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
-def test_vllm_sidecar_probes_survive_a_1t_load(rendered, overlay):
+def test_vllm_sidecar_is_never_restarted_by_a_probe_and_the_worker_waits_for_it(rendered, overlay):
     js = _jobset(rendered[overlay])
     for st in ("capture", "extract", "evaluate"):
         pod = _pod(js, st)
         prepare, side = pod["initContainers"]
         assert side["restartPolicy"] == "Always" and prepare["args"][:1] + prepare["args"][-4:-2] == [
             "serve-vllm", "--stage", st]
-        sp = side["startupProbe"]
-        assert sp["httpGet"]["path"] == "/health"
-        assert sp["periodSeconds"] * sp["failureThreshold"] >= 3600  # an hour or more to load
+        # no probe that restarts it: a failing startup probe restarts a sidecar for ever and holds the worker
+        # back (kubernetes v1.33 kuberuntime_container.go computeInitContainerActions); the worker waits for
+        # /health itself, within the recipe's health_timeout_s, beating its heartbeat (vllm_server.wait_healthy)
+        assert "startupProbe" not in side and "livenessProbe" not in side
         assert side["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert side["terminationMessagePolicy"] == "FallbackToLogsOnError"  # what the guard quotes
         env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
         assert env["EAGLE_JOBS_VLLM_ENDPOINT"] == "http://127.0.0.1:8000"
     assert "initContainers" not in _pod(js, "train")
@@ -357,6 +361,8 @@ def test_cluster_setup_holds_what_runs_share(shared_rendered):
     assert kinds == {("Namespace", "eagle-jobs"), ("ServiceAccount", "eagle-jobs-worker"),
                      ("ServiceAccount", "eagle-jobs-submitter"), ("Role", "eagle-jobs-submitter"),
                      ("RoleBinding", "eagle-jobs-submitter"), ("NetworkPolicy", "eagle-jobs-vllm-no-ingress"),
+                     ("ServiceAccount", "eagle-jobs-guard"), ("Role", "eagle-jobs-guard"),
+                     ("RoleBinding", "eagle-jobs-guard"),
                      ("PriorityClass", "eagle-jobs-preemptible"),
                      ("ValidatingAdmissionPolicy", "eagle-jobs-pinned-jobsets"),
                      ("ValidatingAdmissionPolicyBinding", "eagle-jobs-pinned-jobsets")}
@@ -366,6 +372,10 @@ def test_cluster_setup_holds_what_runs_share(shared_rendered):
     assert all(d["metadata"].get("namespace") == "eagle-jobs" for d in docs if d["kind"] not in cluster_scoped)
     sa = next(d for d in docs if d["metadata"]["name"] == "eagle-jobs-worker")
     assert sa["automountServiceAccountToken"] is False
+    # the guard reads, nothing more: its JobSet and the pods (src/eagle_jobs/cluster/guard.py)
+    (role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "eagle-jobs-guard"]
+    assert {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]} == {("jobset.x-k8s.io", "jobsets", "get"), ("", "pods", "list")}
     (minio,) = [d for d in shared_rendered["dev-services"] if d["kind"] == "Deployment"]
     pod = minio["spec"]["template"]["spec"]  # the dev cluster's MinIO meets the namespace's restricted profile
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -762,6 +772,8 @@ def test_operations_node_sizes_are_the_rendered_requests(rendered):
     js = _jobset(rendered["full"])
     want = {}
     for rj in js["spec"]["replicatedJobs"]:
+        if rj["name"] == "guard":  # a tenth of a CPU on any node: the table is about the nodes the stages need
+            continue
         pod = rj["template"]["spec"]["template"]["spec"]
         run = pod["containers"] + [c for c in pod.get("initContainers", []) if c.get("restartPolicy") == "Always"]
         tot = [sum(q(c["resources"]["requests"].get(k, 0)) for c in run)
@@ -785,7 +797,7 @@ def test_weights_volume_component_mounts_the_claim_read_only_where_the_verifier_
         "configMapGenerator": [{"name": "eagle-jobs-recipe", "behavior": "replace", "files": ["recipe.yaml"]}]},
         {"recipe.yaml": yaml.safe_dump(recipe)})
     js = _jobset(docs)
-    assert [rj["name"] for rj in js["spec"]["replicatedJobs"]] == STAGES
+    assert [rj["name"] for rj in js["spec"]["replicatedJobs"]] == [*STAGES, "guard"]
     jsonschema.validate(js, _jobset_schema())
     assert webhook_name_problems(js) == []
     for stage in STAGES:
@@ -883,7 +895,7 @@ def test_dev_sidecars_serve_the_demo_on_cpu_where_probes_and_workers_look(render
         host = len(cmd) - 1 - cmd[::-1].index("--host")  # the last --host wins
         assert cmd[host + 1] == "0.0.0.0", cmd  # the kubelet probes the pod IP
         port = int(cmd[cmd.index("--port") + 1])
-        assert {sidecar[p]["httpGet"]["port"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} == {port}
+        assert sidecar["readinessProbe"]["httpGet"]["port"] == port
         assert _container_env(worker, cms)["EAGLE_JOBS_VLLM_ENDPOINT"] == f"http://127.0.0.1:{port}"
         if vllm_cpu.is_cpu_build():
             cpu_args = vllm_cpu.serve_args()

@@ -13,11 +13,9 @@ import hashlib
 import re
 from pathlib import Path
 
+import jobset_admission as adm
 import pytest
 import yaml
-
-import jobset_admission as adm
-from test_cluster import kube  # noqa: F401 - a fixture: the fake API server with k8s/cluster-setup applied
 from test_k8s import OVERLAYS, _jobset, _pod, _render_overlay, rendered, shared_rendered  # noqa: F401 - fixtures
 
 REPO = Path(__file__).resolve().parents[1]
@@ -247,8 +245,9 @@ def test_pull_secret_component_gives_every_pod_the_registry_credentials(rendered
     import sys
 
     docs = _render_overlay(tmp_path, {"resources": ["cluster-setup"], "components": ["components/pull-secret"]})
-    (sa,) = [d for d in docs if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "eagle-jobs-worker"]
-    assert sa["imagePullSecrets"] == [{"name": "eagle-jobs-pull"}]
+    sas = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
+    for name in ("eagle-jobs-worker", "eagle-jobs-guard"):
+        assert sas[name]["imagePullSecrets"] == [{"name": "eagle-jobs-pull"}], name
     f = tmp_path / "setup.yaml"
     f.write_text(yaml.safe_dump_all(docs))
     exe = Path(sys.executable).with_name("kubernetes-validate")
@@ -258,7 +257,7 @@ def test_pull_secret_component_gives_every_pod_the_registry_credentials(rendered
         js = _jobset(rendered[overlay])
         for rj in js["spec"]["replicatedJobs"]:
             pod = _pod(js, rj["name"])
-            assert pod["serviceAccountName"] == sa["metadata"]["name"] and "imagePullSecrets" not in pod, (overlay, rj["name"])
+            assert "imagePullSecrets" in sas[pod["serviceAccountName"]] and "imagePullSecrets" not in pod, (overlay, rj["name"])
     assert "components/pull-secret" in OPS.read_text() and "eagle-jobs-pull" in OPS.read_text()
 
 

@@ -135,6 +135,22 @@ def _break(js: dict, how: str) -> dict:
         capture["volumes"].append({"name": "s", "secret": {"secretName": "eagle-jobs-store"}})
     elif how == "the read-write secret in the sidecar":
         vllm["envFrom"].append({"secretRef": {"name": "eagle-jobs-store"}})
+    elif how == "python3 -c as the command":
+        capture["containers"][0]["command"] = ["python3", "-c", "import os; print(os.environ)"]
+    elif how == "another sub-command":
+        capture["containers"][0]["args"] = ["exec-vllm", "/etc/eagle-jobs/recipe.yaml"]
+    elif how == "an exec probe":
+        capture["containers"][0]["livenessProbe"] = {"exec": {"command": ["sh", "-c", "env > /work/x"]}}
+    elif how == "a lifecycle hook":
+        vllm["lifecycle"] = {"postStart": {"exec": {"command": ["sh", "-c", "env"]}}}
+    elif how == "PYTHONPATH at the recipe":
+        capture["containers"][0]["env"].append({"name": "PYTHONPATH", "value": "/etc/eagle-jobs"})
+    elif how == "the guard's account on a worker":
+        capture["serviceAccountName"] = "eagle-jobs-guard"
+        capture["automountServiceAccountToken"] = True
+    elif how == "a Secret in the guard":
+        guard = next(rj for rj in bad["spec"]["replicatedJobs"] if rj["name"] == "guard")["template"]["spec"]["template"]["spec"]
+        guard["containers"][0]["envFrom"] = [{"secretRef": {"name": "eagle-jobs-store"}}]
     elif how == "one key of it":
         vllm["env"].append({"name": "AWS_SECRET_ACCESS_KEY",
                             "valueFrom": {"secretKeyRef": {"name": "eagle-jobs-store", "key": "AWS_SECRET_ACCESS_KEY"}}})
@@ -149,6 +165,13 @@ def _break(js: dict, how: str) -> dict:
     ("a secret volume", "no pod mounts a Secret"),
     ("the read-write secret in the sidecar", "may read no Secret but eagle-jobs-store-readonly"),
     ("one key of it", "may read no Secret but eagle-jobs-store-readonly"),
+    ("python3 -c as the command", "every container runs `eagle-jobs <its stage's sub-command>`"),
+    ("another sub-command", "every container runs `eagle-jobs <its stage's sub-command>`"),
+    ("an exec probe", "no other exec probe than the heartbeat"),
+    ("a lifecycle hook", "no lifecycle hook"),
+    ("PYTHONPATH at the recipe", "no PYTHON*/LD_* variable"),
+    ("the guard's account on a worker", "but the guard (eagle-jobs-guard, no Secret)"),
+    ("a Secret in the guard", "but the guard (eagle-jobs-guard, no Secret)"),
 ])
 def test_the_admission_policy_refuses_each_way_round_it(policy, jobsets, how, says):
     for overlay in ("dev", "full"):
@@ -169,6 +192,26 @@ def test_the_policy_binds_to_this_namespace_only_and_denies(policy):
     # cluster-scoped: neither carries a namespace (kustomize would add one to kinds it does not know)
     assert "namespace" not in vap["metadata"] and "namespace" not in binding["metadata"]
     # the submitter may change neither: its Role has no admissionregistration and no namespaces
-    role = next(d for d in kustomize(REPO / "k8s/cluster-setup") if d["kind"] == "Role")
-    assert not any(g in r["apiGroups"] for r in role["rules"] for g in ("admissionregistration.k8s.io", "*"))
-    assert not any("namespaces" in r["resources"] for r in role["rules"])
+    for role in (d for d in kustomize(REPO / "k8s/cluster-setup") if d["kind"] == "Role"):  # submitter's, guard's
+        assert not any(g in r["apiGroups"] for r in role["rules"] for g in ("admissionregistration.k8s.io", "*"))
+        assert not any("namespaces" in r["resources"] for r in role["rules"])
+
+
+@pytest.mark.parametrize("overlay", ["dev", "full"])
+def test_a_forks_registry_is_admitted_once_the_namespace_names_it_and_only_then(policy, jobsets, overlay):
+    """A fork publishes to its IMAGE_REGISTRY (release.yml); an admin names it once on the Namespace, where the
+    submitter cannot: then its images are admitted, the project's are not, and a look-alike still is not."""
+    js = copy.deepcopy(jobsets[overlay])
+    for rj in js["spec"]["replicatedJobs"]:
+        pod = rj["template"]["spec"]["template"]["spec"]
+        for c in pod["containers"] + pod.get("initContainers", []):
+            c["image"] = c["image"].replace("ghcr.io/eagle-jobs/", "ghcr.io/acme/")
+    denied = admit(policy, js)
+    assert len(denied) == 1 and "ghcr[.]io/eagle-jobs/{capture,extract,train,dev}" in denied[0]
+    fork = {**NS, "metadata": {**NS["metadata"], "annotations": {"eagle-jobs/image-registry": "ghcr[.]io/acme"}}}
+    assert admit(policy, js, fork) == []
+    assert len(admit(policy, jobsets[overlay], fork)) == 1
+    evil = copy.deepcopy(js)
+    evil["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["image"] = \
+        "ghcr.io/acme/capture/../evil:1"
+    assert len(admit(policy, evil, fork)) == 1

@@ -46,16 +46,20 @@ def _recipe(docs: list[dict]):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_stage_deadline_covers_what_the_plan_says_it_must(rendered, overlay):
-    from eagle_jobs.plan import DEADLINE_LOAD_S, make_plan
+    from eagle_jobs.plan import make_plan, server_load_s
 
     js = _jobset(rendered[overlay])
     plan = make_plan(_recipe(rendered[overlay]))
     for stage, est in plan["stages"].items():
         deadline = _job(js, stage)["activeDeadlineSeconds"]
         assert deadline >= est["deadline_floor_s"] > est["time_s"], (overlay, stage, deadline, est)
-    # the load budget the floor adds is the sidecar's own startup budget
-    sidecar = next(c for c in _job(js, "capture")["template"]["spec"]["initContainers"] if c["name"] == "vllm")
-    assert sidecar["startupProbe"]["periodSeconds"] * sidecar["startupProbe"]["failureThreshold"] == DEADLINE_LOAD_S
+    # the load budget the floor adds is how long the stage's worker waits for its server: the recipe's own
+    recipe = _recipe(rendered[overlay])
+    for stage in ("capture", "extract", "evaluate"):
+        spec = getattr(recipe, stage)
+        assert server_load_s(recipe, stage) == (spec.vllm.health_timeout_s if spec.backend == "vllm" else 0)
+        if spec.backend == "vllm":
+            assert plan["stages"][stage]["deadline_floor_s"] > spec.vllm.health_timeout_s
 
 
 def _probe_env(tmp_path: Path) -> dict:

@@ -14,12 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import JOBS, JS, NS, PODS, kustomize
 from k8s_failure_sim import failed_pod, match_pod_failure_policy, run_jobset
-from test_cluster import JOBS, JS, NS, PODS, kube  # noqa: F401 - kube: the fake API server fixture
 
 from eagle_jobs import cluster
 from eagle_jobs.cluster import WatchExit
-from conftest import kustomize
 
 REPO = Path(__file__).resolve().parents[1]
 OVERLAYS = ["dev", "smoke", "full", "full-multinode"]
@@ -43,8 +42,11 @@ def _stages(js: dict) -> list[str]:
 
 
 def _containers(js: dict, stage: str) -> list[str]:
-    """The containers whose exit codes podFailurePolicy reads in this stage: the worker, and prepare."""
+    """The containers whose exit codes podFailurePolicy reads in this stage: the worker, and prepare; the
+    guard's own container in the run's guard."""
     pod = _spec(js, stage)["template"]["spec"]
+    if stage == "guard":
+        return ["guard"]
     return ["worker"] + [c["name"] for c in pod.get("initContainers", []) if c["name"] == "prepare"]
 
 
@@ -120,7 +122,8 @@ def test_usage_bad_input_and_store_failures_fail_the_run_at_once_in_every_stage(
     for stage in _stages(js):
         index = _spec(js, stage)["completions"] - 1
         for container in _containers(js, stage):
-            for code in (2, 3, 4):
+            # usage, bad input, store; the guard: usage, no RBAC, a pod of the run that cannot start (12)
+            for code in (2, 3, 12) if container == "guard" else (2, 3, 4):
                 pod = failed_pod(**{container: code})
                 run = run_jobset(js, [{stage: {"fail": [(index, pod)]}}])
                 assert (run.state, run.reason, run.restarts) == ("Failed", "FailJobSetFailurePolicyAction", 0), \
@@ -129,7 +132,7 @@ def test_usage_bad_input_and_store_failures_fail_the_run_at_once_in_every_stage(
                 assert (run.failed_job.stage, reason) == (stage, "PodFailurePolicy")
                 assert f"Container {container} for pod" in message and f"failed with exit code {code}" in message
         # after a restart too: bad input wins over any retry left
-        run = run_jobset(js, [{"extract": {"fail": [(0, OOM)] * 9}}, {stage: {"fail": [(index, failed_pod(worker=3))]}}])
+        run = run_jobset(js, [{"extract": {"fail": [(0, OOM)] * 9}}, {stage: {"fail": [(index, failed_pod(**{_containers(js, stage)[0]: 3}))]}}])
         assert (run.state, run.reason, run.restarts) == ("Failed", "FailJobSetFailurePolicyAction", 1), stage
 
 

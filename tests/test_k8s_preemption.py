@@ -72,7 +72,7 @@ def test_the_preemptible_component_lowers_priority_and_lets_the_autoscaler_evict
     js = _jobset(docs)
     for rj in js["spec"]["replicatedJobs"]:
         pod = _pod(js, rj["name"])
-        if rj["name"] == "mirror":  # CPU-only, resumable file by file: the default priority
+        if rj["name"] in ("mirror", "guard"):  # CPU-only, resumable or stateless: the default priority
             assert "priorityClassName" not in pod["spec"]
             continue
         assert pod["spec"]["priorityClassName"] == "eagle-jobs-preemptible"

@@ -387,6 +387,16 @@ def serve_vllm(recipe: RecipeOpt,
         _exec(cmd, env)
 
 
+@app.command("guard", hidden=True)
+def guard_run(jobset: Annotated[str, typer.Option(envvar="JOBSET_NAME", help="the run's JobSet")],
+              namespace: Annotated[str, typer.Option(envvar="POD_NAMESPACE")] = "eagle-jobs"):
+    """The run's guard pod: fail the run (exit 12) once one of its pods cannot start; exit 0 when the stages succeed."""
+    from eagle_jobs import cluster
+    from eagle_jobs.cluster.guard import guard
+
+    guard(cluster.api_client(), namespace, jobset)
+
+
 @app.command("exec-vllm")
 def exec_vllm(command_file: Annotated[Path, typer.Argument(help="what `serve-vllm --write` wrote")]):
     """The pod's vLLM sidecar: exec the prepared `vllm serve` command, with nothing left to check."""

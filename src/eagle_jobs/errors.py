@@ -22,6 +22,7 @@ class ExitCode(IntEnum):
     NOT_BETTER = 9  # `promote`: the candidate does not beat the promoted draft; nothing changed
     NO_SPACE = 10  # a write found its disk full (ENOSPC/EDQUOT): nothing half-written is committed; free space, rerun
     BUSY = 11  # `submit`: a run of the same recipe is still running; nothing applied
+    STUCK = 12  # the run's guard: a pod of the run cannot start (image, Secret, vLLM sidecar); the run is failed
     CANCELLED = 130  # ^C (SIGINT): what was committed stays; rerun to resume (128 + 2)
     INTERRUPTED = 143  # SIGTERM: state was committed; rerun to resume (128 + 15)
 

@@ -87,15 +87,23 @@ def _prompt_stats(recipe: Recipe) -> tuple[int, int, float]:
 
 
 # What a stage's activeDeadlineSeconds must cover beyond the estimate (docs/OPERATIONS.md#deadlines):
-# a throughput DEADLINE_SLOWDOWN times below the stated one, a node and the image pull, and for the
-# vLLM stages the sidecar's whole startup budget to load the verifier (30 s x 180, components/vllm-sidecar).
-DEADLINE_SLOWDOWN, DEADLINE_WAIT_S, DEADLINE_LOAD_S = 4, 1800, 5400
+# a throughput DEADLINE_SLOWDOWN times below the stated one, a node and the image pull, and for a vLLM
+# stage the time its worker waits for the server to load the verifier (the stage's vllm.health_timeout_s).
+DEADLINE_SLOWDOWN, DEADLINE_WAIT_S = 4, 1800
 VLLM_STAGES = (StageName.CAPTURE, StageName.EXTRACT, StageName.EVALUATE)
 
 
-def deadline_floor_s(stage: str, time_s: float) -> int:
+def deadline_floor_s(time_s: float, load_s: float) -> int:
     """The least activeDeadlineSeconds a stage of this estimate should have (a backstop, never a stall detector)."""
-    return math.ceil(DEADLINE_SLOWDOWN * time_s + DEADLINE_WAIT_S + (DEADLINE_LOAD_S if stage in VLLM_STAGES else 0))
+    return math.ceil(DEADLINE_SLOWDOWN * time_s + DEADLINE_WAIT_S + load_s)
+
+
+def server_load_s(recipe: Recipe, stage: str) -> float:
+    """How long the stage's worker waits for its vLLM server to answer /health (0: no server)."""
+    if stage not in VLLM_STAGES:
+        return 0.0
+    spec = getattr(recipe, stage)
+    return spec.vllm.health_timeout_s if spec.backend == "vllm" else 0.0
 
 
 # One SIGTERM checkpoint save (docs/OPERATIONS.md#preemption), at speeds measured on a 2-vCPU VM with a
@@ -157,7 +165,7 @@ def make_plan(recipe: Recipe) -> dict:
                      "write_bytes": 1e6, "read_bytes": params["total"] * 2},
     }
     for name, st in stages.items():
-        st["deadline_floor_s"] = deadline_floor_s(name, st["time_s"])
+        st["deadline_floor_s"] = deadline_floor_s(st["time_s"], server_load_s(recipe, name))
     return {"conversations": convs, "samples": gens, "tokens": tokens, "tokens_per_sample": seq,
             "hidden_state_bytes": {"bfloat16": hs_bf16, "fp8": hs_fp8}, "stored_layers": n_layers, "storage": storage,
             "draft_shape": shape.describe(), "draft_parameters": params, "gpus_for_training": gpus,

@@ -34,9 +34,15 @@ from eagle_jobs.recipe import VerifierSpec, VllmServerSpec
 
 
 def wait_healthy(base: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Until base/health answers 200, for at most timeout_s (the stage's vllm.health_timeout_s), beating the
+    heartbeat: in a pod the worker starts beside its vLLM sidecar (no startup probe holds it back), and this
+    deadline, not the heartbeat's 30 minutes, is what a load of the verifier gets."""
+    from eagle_jobs import heartbeat
+
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while time.monotonic() < deadline:
+        heartbeat.beat()
         if proc is not None and proc.poll() is not None:
             raise Unavailable(f"vllm serve exited with code {proc.returncode} before {base}/health answered")
         try:

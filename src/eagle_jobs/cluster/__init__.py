@@ -1,6 +1,7 @@
 """Submitting and following a run on a cluster, with the kubernetes Python client, split by what an
 operator does: render a run (render.py), apply it (apply.py), follow it (follow.py: status, watch)
-and explain a failure (explain.py: exit mapping, logs, events); api.py is what they share."""
+explain a failure (explain.py: exit mapping, logs, events), and guard a run from inside it (guard.py: the pod
+that fails a run whose pods cannot start); api.py is what they share."""
 
 from eagle_jobs.cluster.api import MAX_JOBSET_NAME, WatchExit, api_client, jobset_name
 from eagle_jobs.cluster.apply import submit

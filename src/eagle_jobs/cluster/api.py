@@ -31,6 +31,7 @@ class WatchExit(IntEnum):
     DEADLINE = 23  # a stage ran past activeDeadlineSeconds
     GONE = 24  # the JobSet does not exist or was deleted
     TIMEOUT = 25  # --timeout passed before the pipeline finished
+    STUCK = 26  # the run's guard failed it: a pod could not start (image, Secret, vLLM sidecar)
 
 # JobSet's webhook (pkg/webhooks/jobset_webhook.go, v0.8 to v0.12) checks the longest generated pod
 # name, <jobset>-<replicatedJob>-<jobIndex>-<podIndex>-<5 random>, as an RFC-1035 label of <= 63
@@ -125,9 +126,12 @@ def pod_state(p) -> tuple[str, str]:
     if phase in ("Succeeded", "Failed"):
         for cs in (st.container_statuses or []) + (st.init_container_statuses or []):
             term = cs.state.terminated if cs.state else None
-            # the worker's code; or prepare's, when it failed and the worker never ran
-            if term is not None and (cs.name == "worker" or (cs.name == "prepare" and term.exit_code)):
-                return phase, f"{cs.name} exit {term.exit_code}" + (f" ({term.reason})" if term.reason else "")
+            # the worker's (or the guard's) code; or prepare's, when it failed and the worker never ran;
+            # with the last line it printed (terminationMessagePolicy: FallbackToLogsOnError)
+            if term is not None and (cs.name in ("worker", "guard") or (cs.name == "prepare" and term.exit_code)):
+                said = (term.message or "").strip().splitlines()[-1:] if term.exit_code else []
+                return phase, (f"{cs.name} exit {term.exit_code}" + (f" ({term.reason})" if term.reason else "")
+                               + (f": {said[0]}" if said else ""))
         return phase, st.reason or ""
     for c in (st.conditions or []):
         if c.type == "PodScheduled" and c.status == "False":

@@ -93,8 +93,10 @@ def submit(overlay: Path, run_id: str, recipe_path: Path | None = None, kubeconf
     js = next(d for d in docs if d["kind"] == "JobSet")
     ns = js["metadata"]["namespace"]
     api = api_client(kubeconfig)
-    sa = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"].get("serviceAccountName")
-    if sa:
+    # every ServiceAccount the run's pods use (the workers' and the guard's): one missing would leave its
+    # pods uncreated, which no pod status shows
+    for sa in sorted({sa for rj in js["spec"]["replicatedJobs"]
+                      if (sa := rj["template"]["spec"]["template"]["spec"].get("serviceAccountName"))}):
         try:
             client.CoreV1Api(api).read_namespaced_service_account(sa, ns)
         except ApiException as e:

@@ -10,9 +10,9 @@ from eagle_jobs.errors import ExitCode
 
 # the codes podFailurePolicy fails a run on at once (k8s/base/pipeline.yaml), in the containers it reads
 FAIL_FAST = {int(ExitCode.USAGE): WatchExit.BAD_INPUT, int(ExitCode.BAD_INPUT): WatchExit.BAD_INPUT,
-             int(ExitCode.STORE): WatchExit.STORE}
+             int(ExitCode.STORE): WatchExit.STORE, int(ExitCode.STUCK): WatchExit.STUCK}
 
-FAILING_CONTAINERS = ("worker", "prepare")
+FAILING_CONTAINERS = ("worker", "prepare", "guard")
 
 
 def failure_exit(api, namespace: str, run_id: str, states: dict) -> WatchExit:

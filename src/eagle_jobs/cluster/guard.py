@@ -1,0 +1,134 @@
+"""The run's guard: one small pod of the run that ends the run within minutes when a pod of it cannot start.
+
+The kubelet waits, and never fails the pod, where a run cannot go on (kubernetes v1.33.0, docs/OPERATIONS.md#fail-fast):
+- an image that cannot be pulled: the container waits in ErrImagePull / ImagePullBackOff, retried with a
+  backoff of up to 5 minutes, for ever;
+- a Secret or ConfigMap it names that does not exist: CreateContainerConfigError, retried at every sync;
+- a restartable sidecar (the vLLM server) that exits: restarted in CrashLoopBackOff however often, even in a
+  pod whose restartPolicy is Never.
+Each holds its node's GPUs until the stage's activeDeadlineSeconds, which is days. The guard (replicatedJob
+`guard`, k8s/base/pipeline.yaml) reads its JobSet's pods every POLL_S. Once a container has waited for one
+of those reasons for STUCK_AFTER_S, or a sidecar has exited SIDECAR_EXITS times, it says which and why in
+one line and exits ExitCode.STUCK: its podFailurePolicy fails its Job (FailJob) and the JobSet's
+failurePolicy fails the run (BadInputFailsTheRun), which deletes every pod of it. `eagle-jobs status`
+shows the line. It exits 0 once every other replicatedJob of the JobSet has succeeded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
+
+POLL_S = 30.0
+# ErrImagePull's retries back off up to 5 minutes (kubelet's image backoff): two failed pulls at the cap
+STUCK_AFTER_S = 600.0
+SIDECAR_EXITS = 3  # a vLLM sidecar that exited this often will not come up by itself: bad arguments, no GPU, OOM
+GUARD = "guard"  # the guard's replicatedJob and container
+
+# waiting reasons that no retry by the kubelet clears: the image or the pod's configuration is wrong
+# (kubernetes v1.33.0 pkg/kubelet/images/types.go, pkg/kubelet/kuberuntime/kuberuntime_container.go)
+CANNOT_START = {
+    "ErrImagePull": "the image cannot be pulled",
+    "ImagePullBackOff": "the image cannot be pulled",
+    "InvalidImageName": "the image name is invalid",
+    "ErrImageNeverPull": "the image is not on the node and imagePullPolicy is Never",
+    "CreateContainerConfigError": "a Secret or ConfigMap it names is missing",
+    "CreateContainerError": "the container runtime cannot create it",
+}
+
+
+class Stuck(EagleJobsError):
+    code = ExitCode.STUCK
+
+
+def _name(obj) -> str:
+    return obj.metadata.name if obj.metadata and obj.metadata.name else "?"
+
+
+def sidecars(pod) -> set[str]:
+    return {c.name for c in (pod.spec.init_containers if pod.spec else None) or []
+            if getattr(c, "restart_policy", None) == "Always"}
+
+
+@dataclass
+class StuckTracker:
+    """Which containers have waited for a reason in CANNOT_START, since when (the guard's own clock: a
+    container seen waiting once and then running again starts over)."""
+
+    since: dict[tuple[str, str, str], float] = field(default_factory=dict)
+
+    def check(self, pods: list, now: float) -> str | None:
+        """The first pod that cannot start, in one line; None while every pod may still start."""
+        seen = set()
+        for pod in pods:
+            if pod.metadata is None or pod.metadata.deletion_timestamp is not None or pod.status is None:
+                continue
+            side = sidecars(pod)
+            for cs in (pod.status.init_container_statuses or []) + (pod.status.container_statuses or []):
+                w = cs.state.waiting if cs.state else None
+                last = cs.last_state.terminated if cs.last_state else None
+                if cs.name in side and (cs.restart_count or 0) >= SIDECAR_EXITS and last is not None:
+                    said = (last.message or "").strip().splitlines()[-1:] or [last.reason or ""]
+                    return (f"pod {_name(pod)}: sidecar {cs.name} exited {cs.restart_count} times, last with code "
+                            f"{last.exit_code}: {said[0]}".rstrip(": ") +
+                            " (eagle-jobs logs --stage <stage>; the stage's vllm.serve_args)")
+                if w is None or w.reason not in CANNOT_START:
+                    continue
+                key = (_name(pod), cs.name, "image" if "Image" in w.reason else w.reason)
+                seen.add(key)
+                first = self.since.setdefault(key, now)
+                if now - first >= STUCK_AFTER_S:
+                    return (f"pod {_name(pod)}: container {cs.name} cannot start for {now - first:.0f} s: "
+                            f"{CANNOT_START[w.reason]} ({w.reason}: {(w.message or '').strip()})")
+        for key in set(self.since) - seen:  # running again, or gone: a later wait starts over
+            del self.since[key]
+        return None
+
+
+def others_succeeded(jobset: dict) -> bool:
+    """Every replicatedJob but the guard has as many succeeded Jobs as replicas (JobSet's
+    status.replicatedJobsStatus), or the JobSet is already finished."""
+    status = jobset.get("status") or {}
+    if any(c.get("type") in ("Completed", "Failed") and c.get("status") == "True"
+           for c in status.get("conditions") or []):
+        return True
+    done = {r.get("name"): r.get("succeeded", 0) for r in status.get("replicatedJobsStatus") or []}
+    return all(done.get(rj["name"], 0) >= rj.get("replicas", 1)
+               for rj in jobset["spec"]["replicatedJobs"] if rj["name"] != GUARD)
+
+
+def guard(api, namespace: str, jobset: str, clock: Callable[[], float] = time.monotonic,
+          sleep: Callable[[float], None] = time.sleep) -> None:
+    """Poll until the run's other stages have succeeded (return) or a pod of it cannot start (raise Stuck)."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    from eagle_jobs.cluster.api import read_jobset
+
+    core = client.CoreV1Api(api)
+    tracker = StuckTracker()
+    print(f"guarding JobSet {jobset} in {namespace}: a container that cannot start for {STUCK_AFTER_S:.0f} s, "
+          f"or a sidecar that exits {SIDECAR_EXITS} times, fails the run", flush=True)
+    while True:
+        try:
+            if others_succeeded(read_jobset(api, namespace, jobset)):
+                print("every stage succeeded", flush=True)
+                return
+            pods = core.list_namespaced_pod(namespace, label_selector=(
+                f"jobset.sigs.k8s.io/jobset-name={jobset},jobset.sigs.k8s.io/replicatedjob-name!={GUARD}")).items
+        except ApiException as e:
+            if e.status in (401, 403):
+                raise BadInput(f"the guard may not read JobSet {jobset} or its pods ({e.status} {e.reason}): apply "
+                               "k8s/cluster-setup (ServiceAccount and Role eagle-jobs-guard)") from None
+            print(f"API server answered {e.status} {e.reason}: trying again in {POLL_S:.0f} s", flush=True)
+        except HTTPError as e:  # the API server restarting or out of reach for a while: not the run's fault
+            print(f"API server unreachable ({type(e).__name__}): trying again in {POLL_S:.0f} s", flush=True)
+        else:
+            why = tracker.check(pods, clock())
+            if why:
+                raise Stuck(why)
+        sleep(POLL_S)

@@ -1,0 +1,175 @@
+"""The run's guard (src/eagle_jobs/cluster/guard.py) fails a run whose pods cannot start, within minutes.
+
+The kubelet itself never fails such a pod (kubernetes v1.33: image pulls retry with a backoff capped at
+300 s, pkg/kubelet/kubelet.go; a missing Secret is CreateContainerConfigError at every sync,
+pkg/kubelet/kubelet_pods.go makeEnvironmentVariables; an exited restartable sidecar is always restarted,
+pkg/kubelet/kuberuntime/kuberuntime_container.go computeInitContainerActions), so the pod statuses below are
+the ones a stuck pod keeps showing, with the kubelet's own reasons and messages. The guard reads them
+through the real kubernetes client from tests/fake_kube.py, on a clock the test moves.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+from conftest import NS, PODS, kustomize
+
+from eagle_jobs.cluster.api import WatchExit, api_client
+from eagle_jobs.cluster.explain import failure_exit
+from eagle_jobs.cluster.guard import POLL_S, SIDECAR_EXITS, STUCK_AFTER_S, Stuck, guard
+from eagle_jobs.errors import ExitCode
+
+REPO = Path(__file__).resolve().parents[1]
+JS_COLL = f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets"
+IMAGE = "ghcr.io/eagle-jobs/capture:0.1.0"
+
+
+@pytest.fixture(scope="module")
+def jobset() -> dict:
+    (js,) = [d for d in kustomize(REPO / "k8s/overlays/full") if d["kind"] == "JobSet"]
+    return js
+
+
+def _pod(name: str, stage: str, jobset: str, init=(), main=()) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "labels": {
+                "jobset.sigs.k8s.io/jobset-name": jobset, "jobset.sigs.k8s.io/replicatedjob-name": stage}},
+            "spec": {"initContainers": [{"name": "prepare", "image": IMAGE},
+                                        {"name": "vllm", "image": IMAGE, "restartPolicy": "Always"}],
+                     "containers": [{"name": "worker", "image": IMAGE}]},
+            "status": {"phase": "Pending", "initContainerStatuses": list(init), "containerStatuses": list(main)}}
+
+
+def _waiting(name: str, reason: str, message: str, restarts: int = 0, last: dict | None = None) -> dict:
+    return {"name": name, "image": IMAGE, "imageID": "", "ready": False, "restartCount": restarts,
+            "state": {"waiting": {"reason": reason, "message": message}},
+            **({"lastState": {"terminated": last}} if last else {})}
+
+
+def _running(name: str) -> dict:
+    return {"name": name, "image": IMAGE, "imageID": "", "ready": True, "restartCount": 0,
+            "state": {"running": {"startedAt": "2026-12-06T00:00:00Z"}}}
+
+
+def _play(kube, jobset: dict, script) -> tuple[str | None, float]:
+    """Run the guard on the fake API with a clock that each poll moves by POLL_S; script(t, fake) sets the
+    pods and JobSet status the kubelet and JobSet controller would show at time t. (the Stuck line or None
+    when the guard returned, seconds on its clock)"""
+    fake, kc = kube
+    js = copy.deepcopy(jobset)
+    js.setdefault("status", {})
+    fake.put(JS_COLL, js)
+    clock = {"t": 0.0}
+
+    def sleep(s: float) -> None:
+        clock["t"] += s
+        script(clock["t"], fake)
+
+    script(0.0, fake)
+    try:
+        guard(api_client(kc), NS, js["metadata"]["name"], clock=lambda: clock["t"], sleep=sleep)
+    except Stuck as e:
+        assert e.code == ExitCode.STUCK == 12
+        return str(e), clock["t"]
+    return None, clock["t"]
+
+
+def _set(fake, pod: dict) -> None:
+    fake.put(PODS, copy.deepcopy(pod))
+
+
+def test_an_image_that_cannot_be_pulled_fails_the_run_ten_minutes_in_not_at_the_deadline(kube, jobset):
+    name = jobset["metadata"]["name"]
+
+    def script(t, fake):
+        # the kubelet alternates ErrImagePull (a try) and ImagePullBackOff (waiting for the next one)
+        pull = f'rpc error: code = NotFound desc = failed to pull and unpack image "{IMAGE}": not found'
+        reason, msg = (("ErrImagePull", pull) if int(t / POLL_S) % 2
+                       else ("ImagePullBackOff", f'Back-off pulling image "{IMAGE}"'))
+        _set(fake, _pod(f"{name}-capture-0-0-abcde", "capture", name,
+                        init=[_waiting("prepare", reason, msg)]))
+
+    why, t = _play(kube, jobset, script)
+    assert STUCK_AFTER_S <= t <= STUCK_AFTER_S + POLL_S
+    assert why.startswith(f"pod {name}-capture-0-0-abcde: container prepare cannot start for ")
+    assert "the image cannot be pulled" in why and IMAGE in why
+    assert t < jobset["spec"]["replicatedJobs"][1]["template"]["spec"]["activeDeadlineSeconds"] / 1000
+
+
+def test_a_missing_secret_fails_the_run_with_the_kubelets_reason(kube, jobset):
+    name = jobset["metadata"]["name"]
+
+    def script(t, fake):
+        _set(fake, _pod(f"{name}-extract-0-1-fghij", "extract", name, init=[
+            _waiting("prepare", "CreateContainerConfigError", 'secrets "eagle-jobs-store" not found')]))
+
+    why, t = _play(kube, jobset, script)
+    assert STUCK_AFTER_S <= t <= STUCK_AFTER_S + POLL_S
+    assert "a Secret or ConfigMap it names is missing" in why and 'secrets "eagle-jobs-store" not found' in why
+
+
+def test_a_vllm_sidecar_that_keeps_exiting_fails_the_run_with_its_last_words(kube, jobset):
+    name = jobset["metadata"]["name"]
+    last = {"exitCode": 1, "reason": "Error", "startedAt": "2026-12-06T00:00:00Z",
+            "finishedAt": "2026-12-06T00:01:00Z",
+            "message": "INFO loading\nValueError: --tensor-parallel-size 8 exceeds the 4 GPUs visible\n"}
+
+    def script(t, fake):
+        restarts = min(SIDECAR_EXITS, int(t / POLL_S))  # CrashLoopBackOff: one more exit per poll here
+        side = (_waiting("vllm", "CrashLoopBackOff", "back-off 40s restarting failed container=vllm", restarts, last)
+                if restarts else _running("vllm"))
+        _set(fake, _pod(f"{name}-capture-0-0-abcde", "capture", name,
+                        init=[{**_running("prepare"), "state": {"terminated": {"exitCode": 0}}}, side],
+                        main=[_running("worker")]))
+
+    why, t = _play(kube, jobset, script)
+    assert t == SIDECAR_EXITS * POLL_S  # at the third exit, not ten minutes of backoff later
+    assert f"sidecar vllm exited {SIDECAR_EXITS} times, last with code 1" in why
+    assert "exceeds the 4 GPUs visible" in why
+
+
+def test_a_slow_pull_that_succeeds_and_a_loading_server_are_left_alone_and_the_guard_ends_with_the_run(kube, jobset):
+    name = jobset["metadata"]["name"]
+    stages = [rj["name"] for rj in jobset["spec"]["replicatedJobs"] if rj["name"] != "guard"]
+
+    def script(t, fake):
+        pulling = t < STUCK_AFTER_S - POLL_S  # fails to pull for a while (a registry hiccup), then runs
+        init = [_waiting("prepare", "ImagePullBackOff", f'Back-off pulling image "{IMAGE}"')] if pulling else [
+            {**_running("prepare"), "state": {"terminated": {"exitCode": 0}}}, _running("vllm")]
+        # then the same pod pulls again on a restart: the earlier wait does not count
+        if STUCK_AFTER_S * 1.2 < t < STUCK_AFTER_S * 1.8:
+            init = [_waiting("prepare", "ImagePullBackOff", f'Back-off pulling image "{IMAGE}"')]
+        _set(fake, _pod(f"{name}-capture-0-0-abcde", "capture", name, init=init,
+                        main=[] if pulling else [_waiting("worker", "ContainerCreating", "")]))
+        if t >= 3 * STUCK_AFTER_S:  # JobSet's status once every stage's Job has succeeded
+            js = fake.get(JS_COLL, name)
+            fake.set_status(JS_COLL, name, {"replicatedJobsStatus": [
+                {"name": s, "succeeded": 1, "ready": 0, "failed": 0, "active": 0, "suspended": 0} for s in stages]})
+            assert js is not None
+
+    why, t = _play(kube, jobset, script)
+    assert why is None and 3 * STUCK_AFTER_S <= t <= 3 * STUCK_AFTER_S + POLL_S
+
+
+def test_status_and_watch_name_the_guards_reason():
+    """The JobSet fails through the guard's Job (podFailurePolicy FailJob on exit 12): watch exits 26, and the
+    guard's pod shows its last line (terminationMessagePolicy FallbackToLogsOnError)."""
+    from kubernetes.client import ApiClient
+
+    from eagle_jobs.cluster.api import pod_state
+
+    states = {"stages": {"guard": {"reason": "PodFailurePolicy", "message": (
+        "Container guard for pod eagle-jobs/x-guard-0-0-abcde failed with exit code 12 "
+        "matching FailJob rule at index 1")}}}
+    assert failure_exit(None, NS, "x", states) == WatchExit.STUCK == 26
+    pod = ApiClient()._ApiClient__deserialize({
+        "metadata": {"name": "x-guard-0-0-abcde"}, "spec": {"containers": [{"name": "guard", "image": IMAGE}]},
+        "status": {"phase": "Failed", "containerStatuses": [{
+            "name": "guard", "image": IMAGE, "imageID": "", "ready": False, "restartCount": 0,
+            "state": {"terminated": {"exitCode": 12, "reason": "Error", "message": (
+                "guarding JobSet x\neagle-jobs: error: pod x-capture-0-0-abcde: container prepare cannot start "
+                "for 600 s: the image cannot be pulled\n")}}}]}}, "V1Pod")
+    assert pod_state(pod) == ("Failed", "guard exit 12 (Error): eagle-jobs: error: pod x-capture-0-0-abcde: "
+                                        "container prepare cannot start for 600 s: the image cannot be pulled")
