@@ -97,3 +97,4 @@ k8s-recipes:
 	cp jobs/demo-dev.yaml k8s/base/recipe.yaml
 	cp jobs/kimi-k2.5-smoke.yaml k8s/overlays/smoke/recipe.yaml
 	cp jobs/kimi-k2.5.yaml k8s/overlays/full/recipe.yaml
+	cp jobs/kimi-k2.5-gb200.yaml k8s/overlays/full-gb200/recipe.yaml

@@ -238,7 +238,7 @@ def draft_call_kwargs(recipe, loss_implementation: str) -> dict:
 # or per test, and the guard below fails a test that starts real vLLM without the marker, so the fast tier
 # stays fast.
 K8S_MODULES = {"test_k8s", "test_k8s_compare", "test_k8s_admission", "test_k8s_failure", "test_cluster", "test_workflow",
-               "test_images", "test_guard"}
+               "test_images", "test_guard", "test_k8s_pools"}
 REAL_VLLM = {str(Path(sys.executable).parent / "vllm"), "eagle_jobs.vllm_cpu"}
 
 

@@ -177,7 +177,7 @@ REGISTRY_EXPR = re.compile(r"\$\{\{ vars\.IMAGE_REGISTRY \|\| '([^']+)' \}\}")
 def _published() -> tuple[str, list[str]]:
     """(registry, image names) that release.yml pushes."""
     wf = yaml.safe_load(RELEASE.read_text())
-    return REGISTRY_EXPR.fullmatch(wf["env"]["REGISTRY"])[1], wf["jobs"]["images"]["strategy"]["matrix"]["image"]
+    return REGISTRY_EXPR.fullmatch(wf["env"]["REGISTRY"])[1], [e["image"] for e in wf["jobs"]["images"]["strategy"]["matrix"]["include"]]
 
 
 def _images(docs: list[dict]) -> list[str]:
@@ -200,6 +200,7 @@ def test_release_publishes_every_image_the_manifests_name_and_ci_uses_the_same_n
     assert "v*" in (wf[True] if True in wf else wf["on"])["push"]["tags"]
     steps = {s.get("id"): s for s in wf["jobs"]["images"]["steps"]}
     assert steps["build"]["with"] == {"context": ".", "file": "images/${{ matrix.image }}/Dockerfile", "push": True,
+                                      "platforms": "${{ matrix.platforms }}",
                                       "tags": "${{ env.REGISTRY }}/${{ matrix.image }}:${{ steps.version.outputs.version }}"}
     assert "pyproject.toml" in steps["version"]["run"] and "exit 1" in steps["version"]["run"]  # tag == version
     assert "${{ steps.build.outputs.digest }}" in RELEASE.read_text()  # each digest recorded

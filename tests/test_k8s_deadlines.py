@@ -20,7 +20,7 @@ import yaml
 from conftest import kustomize
 
 REPO = Path(__file__).resolve().parents[1]
-OVERLAYS = ["dev", "smoke", "full", "full-multinode"]
+OVERLAYS = ["dev", "smoke", "full", "full-multinode", "full-b200", "full-gb200"]
 VLLM_STAGES = ["capture", "extract", "evaluate"]
 
 

@@ -146,7 +146,8 @@ def make_plan(recipe: Recipe) -> dict:
     eval_tokens = 2 * min(ev.num_prompts or n_val, n_val) * ev.max_new_tokens  # trained and untrained draft
     if ev.backend == "vllm":  # the speed passes, with the draft and without (an upper bound on each)
         eval_tokens += 2 * sum(ev.speedup_requests_at(c) for c in ev.concurrency_levels) * ev.max_new_tokens
-    extract_s = tokens / tp.extract_tokens_per_s + hs / tp.store_bytes_per_s
+    # the pods of a stage work side by side: capture's and extraction's shards split over plan.*_nodes
+    extract_s = (tokens / tp.extract_tokens_per_s + hs / tp.store_bytes_per_s) / tp.extract_nodes
     train_s, passes = gens * t.epochs / (tp.train_samples_per_s_per_gpu * gpus), 1
     if t.source == "stream":  # training starts beside extraction and cannot finish an epoch before its pass
         epoch_s = train_s / t.epochs
@@ -155,8 +156,8 @@ def make_plan(recipe: Recipe) -> dict:
         else:
             train_s = max(extract_s, epoch_s) + (t.epochs - 1) * epoch_s
     stages = {
-        "capture": {"time_s": gens * gen_toks / tp.capture_tokens_per_s, "objects": 2 * capture_shards + 2,
-                    "write_bytes": tokens * 8, "read_bytes": 0},
+        "capture": {"time_s": gens * gen_toks / (tp.capture_tokens_per_s * tp.capture_nodes),
+                    "objects": 2 * capture_shards + 2, "write_bytes": tokens * 8, "read_bytes": 0},
         "extract": {"time_s": passes * extract_s, "objects": 2 * passes * extract_shards + 2,
                     "write_bytes": passes * hs, "read_bytes": passes * tokens * 8},
         "train": {"time_s": train_s,
