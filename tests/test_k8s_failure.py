@@ -202,3 +202,18 @@ def test_every_stage_out_of_retries_fails_watch_as_failed_not_bad_input(jobsets,
     fake.set_status(JS, "eagle-jobs-pf2", {"conditions": [{"type": "Failed", "status": "True", "reason": run.reason,
                                                            "message": "", "lastTransitionTime": "2026-12-01T00:00:00Z"}]})
     assert cluster.failure_exit(api, NS, "pf2", cluster.stage_states(api, NS, "pf2")) == WatchExit.FAILED
+
+
+def test_multinode_training_survives_as_many_incidents_as_a_single_node_does(jobsets):
+    """An incident fails every pod of a multi-node train Job (the peers' torchrun ends with the lost rank), and
+    the Job controller counts pods: the two-node train Job's budget is the single-node one per node."""
+    single, multi = _spec(jobsets["full"], "train"), _spec(jobsets["full-multinode"], "train")
+    nodes = multi["completions"]
+    assert nodes == 2 and multi["backoffLimit"] == single["backoffLimit"] * nodes
+    incidents = single["backoffLimit"]  # what a single-node run survives without a restart
+    both = [(i, OOM) for _ in range(incidents) for i in range(nodes)]
+    assert run_jobset(jobsets["full"], [{"train": {"fail": [(0, OOM)] * incidents}}]).restarts == 0
+    run = run_jobset(jobsets["full-multinode"], [{"train": {"fail": both}}])
+    assert (run.state, run.restarts) == ("Completed", 0), run
+    run = run_jobset(jobsets["full-multinode"], [{"train": {"fail": both + [(0, OOM), (1, OOM)]}}])
+    assert run.restarts == 1 and next(j for j in run.jobs if j.stage == "train").failed == 0  # the next attempt

@@ -94,3 +94,27 @@ def test_the_demo_variants_differ_from_the_demo_only_where_they_say():
     assert large["prompts"].pop("limit") > demo["prompts"].pop("limit")
     assert large["train"].pop("epochs") > demo["train"].pop("epochs")
     assert large == demo
+
+
+def test_extract_refuses_pipeline_parallelism_in_one_line(tmp_path):
+    """vLLM extracts aux-layer hidden states pipeline-parallel only for models that relay them between stages
+    (vllm 0.32 v1/worker/gpu/model_runner.py:408-412), which DeepSeek-V3 and Kimi-K2.5 do not: a recipe
+    asking for it is refused before any pod loads the verifier; --pipeline-parallel-size 1 is no parallelism."""
+    import yaml
+
+    from eagle_jobs.errors import BadInput
+    from eagle_jobs.recipe import load_recipe
+
+    base = yaml.safe_load((REPO / "jobs/kimi-k2.5.yaml").read_text())
+    for args, refused in ((["--pipeline-parallel-size", "2"], True), (["-pp=4"], True),
+                          (["--pipeline-parallel-size", "1"], False)):
+        recipe = dict(base, extract={**base["extract"], "vllm": {**base["extract"]["vllm"],
+                                                                   "serve_args": base["extract"]["vllm"]["serve_args"] + args}})
+        path = tmp_path / "r.yaml"
+        path.write_text(yaml.safe_dump(recipe))
+        if refused:
+            with pytest.raises(BadInput) as e:
+                load_recipe(path)
+            assert "does not run pipeline-parallel" in str(e.value) and "\n" not in str(e.value)
+        else:
+            assert load_recipe(path).extract.vllm.serve_args[-2:] == args

@@ -158,6 +158,24 @@ class ExtractSpec(Section):
     scratch_dir: str = "/dev/shm/eagle-jobs-hs"
     vllm: VllmServerSpec = VllmServerSpec()
 
+    @field_validator("vllm")
+    @classmethod
+    def _no_pipeline_parallelism(cls, v: VllmServerSpec) -> VllmServerSpec:
+        """vLLM extracts the aux layers' hidden states under pipeline parallelism only for a model that relays
+        them between stages (vllm 0.32 v1/worker/gpu/model_runner.py:408-412, spec_decode/eagle/eagle3_utils.py
+        verify_supports_aux_hidden_states_over_pp: Llama, Qwen2, not DeepSeek-V3 nor Kimi-K2.5; vLLM #49811 keeps
+        it so, #53015 and #57290 were closed unmerged): the server would fail at load, after reading the weights."""
+        args = v.serve_args
+        for i, a in enumerate(args):
+            name, _, value = a.partition("=")
+            if name in ("--pipeline-parallel-size", "-pp"):
+                size = value or (args[i + 1] if i + 1 < len(args) else "")
+                if size.strip() != "1":
+                    raise ValueError(f"extract.vllm.serve_args: {name} {size}: vLLM's hidden-state extraction "
+                                     "does not run pipeline-parallel for this verifier (vLLM #49811): use "
+                                     "--tensor-parallel-size, and more extraction pods (plan.extract_nodes)")
+        return v
+
 
 class NormSpec(Section):
     """draft.norms: where the draft normalises (speculators 0.9.0's EAGLE-3/3.1 switches, names unchanged)."""
