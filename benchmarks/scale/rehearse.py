@@ -59,7 +59,10 @@ def overlay_pods(overlay: str = "k8s/overlays/full") -> dict[str, dict]:
             continue
         for rj in d["spec"]["replicatedJobs"]:
             job = rj["template"]["spec"]
-            (c,) = [c for c in job["template"]["spec"]["containers"] if c["name"] == "worker"]
+            workers = [c for c in job["template"]["spec"]["containers"] if c["name"] == "worker"]
+            if not workers:  # the run's guard: it lists pods, nothing of the corpus
+                continue
+            (c,) = workers
 
             def budget(probe):
                 if not probe:
