@@ -173,3 +173,16 @@ def test_status_and_watch_name_the_guards_reason():
                 "for 600 s: the image cannot be pulled\n")}}}]}}, "V1Pod")
     assert pod_state(pod) == ("Failed", "guard exit 12 (Error): eagle-jobs: error: pod x-capture-0-0-abcde: "
                                         "container prepare cannot start for 600 s: the image cannot be pulled")
+
+
+@pytest.mark.parametrize("overlay", ["dev", "smoke", "full", "full-multinode", "full-b200", "full-gb200"])
+def test_the_guards_success_is_part_of_the_runs_and_it_starts_with_the_run(overlay):
+    """JobSet's successPolicy without targetReplicatedJobs counts every replicatedJob (pkg/controllers/
+    success_policy.go line 33, v0.8.2 and v0.12.0): the run completes once the guard has exited 0 after the
+    stages; and the guard depends on nothing, so it runs from the first stage on."""
+    (js,) = [d for d in kustomize(REPO / "k8s/overlays" / overlay) if d["kind"] == "JobSet"]
+    assert js["spec"]["successPolicy"] == {"operator": "All"}
+    guard_rj = js["spec"]["replicatedJobs"][-1]
+    assert guard_rj["name"] == "guard" and "dependsOn" not in guard_rj
+    pod = guard_rj["template"]["spec"]["template"]["spec"]
+    assert [c["args"] for c in pod["containers"]] == [["guard"]] and pod["serviceAccountName"] == "eagle-jobs-guard"

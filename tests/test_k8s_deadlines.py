@@ -145,3 +145,46 @@ def test_a_stage_beats_while_it_progresses_and_its_probe_fails_once_it_stalls(re
     run.join(timeout=180)
     assert not run.is_alive() and Stage(st, "hb", "capture").is_complete()
     assert _probe(cmd, env, 3).returncode == 0  # the end of the stage beat too
+
+
+def test_a_worker_beats_while_it_waits_for_its_sidecar_and_fails_at_the_recipes_health_timeout(tmp_path, monkeypatch):
+    """The vLLM sidecar has no startup probe, so the worker starts beside a server that is still loading: it
+    beats its heartbeat while /health does not answer (its startup probe must not kill it during a long
+    load), and ends with exit 5 and the reason once the stage's vllm.health_timeout_s has passed."""
+    import http.server
+    import socket
+
+    from eagle_jobs import heartbeat
+    from eagle_jobs.errors import ExitCode, Unavailable
+    from eagle_jobs.vllm_server import wait_healthy
+
+    beat = tmp_path / "heartbeat"
+    monkeypatch.setenv("EAGLE_JOBS_HEARTBEAT", str(beat))
+    monkeypatch.setattr(heartbeat, "EVERY_S", 0.0)
+    with socket.socket() as s:  # a port nothing listens on: the server is not up yet
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.time()
+    with pytest.raises(Unavailable) as e:
+        wait_healthy(f"http://127.0.0.1:{port}", 5.0)  # it polls every 2 s
+    assert e.value.code == ExitCode.UNAVAILABLE and "not healthy after 5s" in str(e.value)
+    assert beat.stat().st_mtime >= t0 + 3.5  # still beating at its last poll, 4 s into the wait
+    # a server that comes up within the timeout ends the wait
+    ready = threading.Event()
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200 if ready.is_set() else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Timer(1.0, ready.set).start()
+    try:
+        wait_healthy(f"http://127.0.0.1:{srv.server_address[1]}", 30.0)
+    finally:
+        srv.shutdown()
+    assert ready.is_set()

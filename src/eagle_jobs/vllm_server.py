@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from eagle_jobs import vllm_cpu
+from eagle_jobs import heartbeat, vllm_cpu
 from eagle_jobs.errors import BadInput, Unavailable
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import VerifierSpec, VllmServerSpec
@@ -37,8 +37,6 @@ def wait_healthy(base: str, timeout_s: float, proc: subprocess.Popen | None = No
     """Until base/health answers 200, for at most timeout_s (the stage's vllm.health_timeout_s), beating the
     heartbeat: in a pod the worker starts beside its vLLM sidecar (no startup probe holds it back), and this
     deadline, not the heartbeat's 30 minutes, is what a load of the verifier gets."""
-    from eagle_jobs import heartbeat
-
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while time.monotonic() < deadline:

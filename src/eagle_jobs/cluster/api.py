@@ -136,7 +136,7 @@ def pod_state(p) -> tuple[str, str]:
     for c in (st.conditions or []):
         if c.type == "PodScheduled" and c.status == "False":
             return phase, f"{c.reason or 'Unschedulable'}: {c.message or ''}".strip()
-    sidecars = {c.name for c in (p.spec.init_containers or []) if getattr(c, "restart_policy", None) == "Always"}
+    side = sidecars(p)
     for cs in (st.init_container_statuses or []):
         w = cs.state.waiting if cs.state else None
         term = cs.state.terminated if cs.state else None
@@ -146,9 +146,9 @@ def pod_state(p) -> tuple[str, str]:
                 f"; {cs.restart_count} restarts)"
         if term is not None and term.exit_code:
             return phase, f"Init:Error ({cs.name} exit {term.exit_code})"
-        if run is not None and cs.name in sidecars and not cs.started:
+        if run is not None and cs.name in side and not cs.started:
             return phase, f"Init:{cs.name} starting for {age(run.started_at)} (not ready yet: loading the model)"
-        if run is not None and cs.name not in sidecars:
+        if run is not None and cs.name not in side:
             return phase, f"Init:{cs.name} running"
     for cs in (st.container_statuses or []):
         w = cs.state.waiting if cs.state else None
@@ -160,6 +160,12 @@ def pod_state(p) -> tuple[str, str]:
         return phase, f"{restarts} restarts" if restarts else ""
     return phase, st.reason or ""
 
+
+
+def sidecars(pod) -> set[str]:
+    """The pod's restartable init containers (restartPolicy: Always): the vLLM sidecar."""
+    return {c.name for c in (pod.spec.init_containers if pod.spec else None) or []
+            if getattr(c, "restart_policy", None) == "Always"}
 
 
 def pod_name(obj: V1Pod) -> str:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from eagle_jobs.cluster.api import pod_name, read_jobset, sidecars
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
 
 POLL_S = 30.0
@@ -44,13 +45,6 @@ class Stuck(EagleJobsError):
     code = ExitCode.STUCK
 
 
-def _name(obj) -> str:
-    return obj.metadata.name if obj.metadata and obj.metadata.name else "?"
-
-
-def sidecars(pod) -> set[str]:
-    return {c.name for c in (pod.spec.init_containers if pod.spec else None) or []
-            if getattr(c, "restart_policy", None) == "Always"}
 
 
 @dataclass
@@ -72,16 +66,16 @@ class StuckTracker:
                 last = cs.last_state.terminated if cs.last_state else None
                 if cs.name in side and (cs.restart_count or 0) >= SIDECAR_EXITS and last is not None:
                     said = (last.message or "").strip().splitlines()[-1:] or [last.reason or ""]
-                    return (f"pod {_name(pod)}: sidecar {cs.name} exited {cs.restart_count} times, last with code "
+                    return (f"pod {pod_name(pod)}: sidecar {cs.name} exited {cs.restart_count} times, last with code "
                             f"{last.exit_code}: {said[0]}".rstrip(": ") +
                             " (eagle-jobs logs --stage <stage>; the stage's vllm.serve_args)")
                 if w is None or w.reason not in CANNOT_START:
                     continue
-                key = (_name(pod), cs.name, "image" if "Image" in w.reason else w.reason)
+                key = (pod_name(pod), cs.name, "image" if "Image" in w.reason else w.reason)
                 seen.add(key)
                 first = self.since.setdefault(key, now)
                 if now - first >= STUCK_AFTER_S:
-                    return (f"pod {_name(pod)}: container {cs.name} cannot start for {now - first:.0f} s: "
+                    return (f"pod {pod_name(pod)}: container {cs.name} cannot start for {now - first:.0f} s: "
                             f"{CANNOT_START[w.reason]} ({w.reason}: {(w.message or '').strip()})")
         for key in set(self.since) - seen:  # running again, or gone: a later wait starts over
             del self.since[key]
@@ -90,7 +84,11 @@ class StuckTracker:
 
 def others_succeeded(jobset: dict) -> bool:
     """Every replicatedJob but the guard has as many succeeded Jobs as replicas (JobSet's
-    status.replicatedJobsStatus), or the JobSet is already finished."""
+    status.replicatedJobsStatus[].succeeded: api/jobset/v1alpha2/jobset_types.go, v0.8.2 line 185, v0.12.0
+    line 264), or the JobSet is already finished. The guard's exit 0 is what completes the run: a
+    successPolicy without targetReplicatedJobs counts every replicatedJob (pkg/controllers/success_policy.go
+    line 33, both versions); a finished JobSet deletes its Jobs still active, the guard's included
+    (pkg/controllers/jobset_controller.go lines 163-164, both versions)."""
     status = jobset.get("status") or {}
     if any(c.get("type") in ("Completed", "Failed") and c.get("status") == "True"
            for c in status.get("conditions") or []):
@@ -106,8 +104,6 @@ def guard(api, namespace: str, jobset: str, clock: Callable[[], float] = time.mo
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
-
-    from eagle_jobs.cluster.api import read_jobset
 
     core = client.CoreV1Api(api)
     tracker = StuckTracker()
