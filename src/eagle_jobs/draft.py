@@ -123,7 +123,9 @@ def build_draft_model(shape: DraftShape, recipe: Recipe, text_cfg, attn_impl: st
         target_layer_ids=recipe.aux_layer_ids, verifier_name_or_path=resolve_path(recipe.verifier, "embeddings"),
         draft_vocab_size=shape.draft_vocab_size, **recipe.draft.norms.model_dump(),
         ttt_steps=recipe.train.ttt_steps, draft_attn_impl=attn_impl,
-        trust_remote_code=recipe.verifier.trust_remote_code,
+        # speculators reads the verifier's config for its layer count (models/utils.py
+        # resolve_target_layer_ids): as transformers' own class, never the repository's code (verifier.py)
+        trust_remote_code=False,
     )
 
 

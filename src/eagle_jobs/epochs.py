@@ -83,9 +83,10 @@ def check_servable(recipe: Recipe) -> None:
                        "serves one draft: unset it, or set train.select_by: estimate")
 
 
-def held_out_prompts(recipe: Recipe, n: int) -> tuple[list[list[dict]], int]:
+def held_out_prompts(recipe: Recipe, n: int) -> tuple[list[list[dict]], int | None]:
     """The first n prompts of the recipe's held-out split, as evaluate sends them (first turns, over-long
-    ones skipped and counted: evaluate.within_limits); and how many were skipped."""
+    ones skipped and counted: evaluate.within_limits); and how many were skipped. On the vLLM backend
+    every epoch's server skips and counts them itself (None here)."""
     from eagle_jobs.evaluate import eval_sets, within_limits
 
     only_held_out = recipe.evaluate.model_copy(update={"prompt_sets": {}, "num_prompts": n})
@@ -97,6 +98,8 @@ def held_out_prompts(recipe: Recipe, n: int) -> tuple[list[list[dict]], int]:
     if "validation" not in sets:
         raise BadInput(f"ranking epochs serves the held-out split of {recipe.prompts.source}, and it has none: "
                        "set prompts.validation (a count or a fraction), or train.select_by: estimate")
+    if recipe.evaluate.backend == "vllm":  # each epoch's server counts them (evaluate.served_token_count)
+        return sets["validation"], None
     kept, skipped = within_limits(r, {"validation": sets["validation"]})
     return kept["validation"], skipped["validation"]
 
@@ -154,6 +157,7 @@ def serve_epoch(recipe: Recipe, train: Stage, ckpt: dict, prompts: list[list[dic
     return {"epoch": ckpt["epoch"], "checkpoint": ckpt["shard"], "served_tau": res["acceptance_length"],
             "per_position_acceptance": res["per_position_acceptance"], "verifier_forwards": res["rounds"],
             "tokens_generated": res["tokens_generated"], "wall_s": round(time.perf_counter() - started, 2),
+            "num_prompts": len(res.get("prompts", prompts)), "skipped_too_long": res.get("skipped_too_long"),
             "measured_at": time.time()}
 
 
@@ -218,7 +222,9 @@ def rank_epochs(recipe: Recipe, store: Store, run_id: str, variant: str | None =
     report = {
         "run_id": run_id, "variant": variant, "backend": recipe.evaluate.backend,
         "num_speculative_tokens": recipe.evaluate.num_speculative_tokens, "estimate_depth": k,
-        "max_new_tokens": recipe.evaluate.max_new_tokens, "num_prompts": len(prompts), "skipped_too_long": skipped,
+        "max_new_tokens": recipe.evaluate.max_new_tokens,
+        "num_prompts": rows[0].get("num_prompts", len(prompts)) if skipped is None else len(prompts),
+        "skipped_too_long": rows[0].get("skipped_too_long") if skipped is None else skipped,
         "prompts": f"the first {num_prompts} of the held-out split of {recipe.prompts.source}",
         "prompts_sha256": rows[0]["prompts_sha256"], "epochs": rows, "spearman": rho,
         "best_served_epoch": best_served(rows), "best_estimate_epoch": None if best_est is None else int(best_est),

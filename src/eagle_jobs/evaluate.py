@@ -20,6 +20,7 @@ import re
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,21 +236,46 @@ def prompt_ids(tok, msgs: list[dict], template_kwargs: dict) -> list[int]:
     return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
 
 
-def within_limits(recipe: Recipe, sets: dict[str, list[list[dict]]]) -> tuple[dict, dict[str, int]]:
+def within_limits(recipe: Recipe, sets: dict[str, list[list[dict]]],
+                  count: Callable[[list[dict]], int] | None = None) -> tuple[dict, dict[str, int]]:
     """Prompts whose chat-templated length is over limits.max_prompt_tokens are skipped and counted,
     never sent: a real conversation over the server's max-model-len is an HTTP 400 that would end the
-    stage (found on ShareGPT's held-out split). Both backends then measure the same prompts."""
-    from eagle_jobs.verifier import load_tokenizer
+    stage (found on ShareGPT's held-out split). Every backend and server keeps the same prompts.
+    count: a prompt's length; the transformers backend counts with the verifier's tokenizer, the vLLM
+    backend with the server's /tokenize (served_token_count), where the repository's code may run."""
+    if count is None:
+        from eagle_jobs.verifier import load_tokenizer
 
-    tok, kw = load_tokenizer(recipe.verifier), recipe.chat.template_kwargs()
+        tok, kw = load_tokenizer(recipe.verifier), recipe.chat.template_kwargs()
+
+        def count(msgs: list[dict]) -> int:
+            return len(prompt_ids(tok, msgs, kw))
+
     kept, skipped = {}, {}
     for name, prompts in sets.items():
-        ok = [msgs for msgs in prompts if len(prompt_ids(tok, msgs, kw)) <= recipe.limits.max_prompt_tokens]
+        ok = [msgs for msgs in prompts if count(msgs) <= recipe.limits.max_prompt_tokens]
         kept[name], skipped[name] = ok, len(prompts) - len(ok)
         if not ok:
             raise BadInput(f"evaluate: every prompt of set '{name}' is longer than limits.max_prompt_tokens "
                            f"({recipe.limits.max_prompt_tokens}): raise it, or use shorter prompts")
     return kept, skipped
+
+
+def served_token_count(recipe: Recipe, base: str, model: str) -> Callable[[list[dict]], int]:
+    """A prompt's chat-templated length as the server counts it: POST /tokenize renders the chat
+    template the chat endpoint renders (vllm 0.32 entrypoints/serve/tokenize/protocol.py,
+    TokenizeChatRequest: add_generation_prompt defaults to true; the answer's `count`)."""
+    import httpx
+
+    kw = recipe.chat.template_kwargs()
+
+    def count(msgs: list[dict]) -> int:
+        r = httpx.post(f"{base}/tokenize", json={"model": model, "messages": msgs,
+                                                 **({"chat_template_kwargs": kw} if kw else {})}, timeout=60)
+        r.raise_for_status()
+        return int(r.json()["count"])
+
+    return count
 
 
 def eval_prompts(recipe: Recipe, prompts: Path | None) -> list[list[dict]]:
@@ -345,6 +371,7 @@ def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[lis
     out: dict[str, dict] = {}
     with vllm_endpoint(evaluate_plan(recipe, draft_dir)) as base:
         model = served_model(base)
+        sets, too_long = within_limits(recipe, sets, served_token_count(recipe, base, model))
         # timed before the τ pass, so that neither this server nor the one without a draft has seen the
         # timed prompts before (vLLM's prefix cache would shorten their prefill on one side only)
         started = time.perf_counter()
@@ -374,7 +401,8 @@ def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[lis
                        for i in range(k)]
             out[name] = {"acceptance_length": 1 + accepted / drafts if drafts else 1.0,
                          "per_position_acceptance": per_pos, "rounds": int(drafts), "tokens_generated": tokens,
-                         "outputs": [], "speed": speed.get(name), "speed_wall_s": speed_wall_s}
+                         "outputs": [], "speed": speed.get(name), "speed_wall_s": speed_wall_s,
+                         "prompts": prompts, "skipped_too_long": too_long[name]}
     return out
 
 
@@ -489,21 +517,29 @@ SPEED_NOTE = ("output tokens per second of streamed greedy chat requests with th
 
 def measure_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict]]], work: Path):
     """τ of the draft and of an untrained one per set, and the speedup per set where it can be measured:
-    (draft's results, untrained draft's results, {"sets": set -> speedup table, "note", "wall_s"})."""
+    (prompts kept per set, prompts skipped as too long per set, draft's results, untrained draft's results,
+    {"sets": set -> speedup table, "note", "wall_s"}). The transformers backend counts prompt lengths with
+    the verifier's tokenizer first; the vLLM backend on its server (served_token_count), where the
+    verifier's own code may run."""
     import os
 
     if recipe.evaluate.backend == "transformers":
+        sets, too_long = within_limits(recipe, sets)
         res = {name: evaluate_transformers(recipe, draft_dir, m, untrained=False) for name, m in sets.items()}
         base = {name: evaluate_transformers(recipe, draft_dir, m, untrained=True) for name, m in sets.items()}
-        return res, base, {"sets": {}, "wall_s": None, "note": "not measured: speed is a serving measure, taken on "
-                           "the vllm backend (the transformers loop runs one request at a time, unbatched)"}
+        return sets, too_long, res, base, {
+            "sets": {}, "wall_s": None, "note": "not measured: speed is a serving measure, taken on the vllm "
+            "backend (the transformers loop runs one request at a time, unbatched)"}
     # The baseline and the speed without a draft need servers of their own: possible when this stage
     # starts vLLM itself, not when a sidecar serves the trained draft for the whole pod.
     own = not (recipe.evaluate.vllm.endpoint or os.environ.get("EAGLE_JOBS_VLLM_ENDPOINT"))
     res = evaluate_vllm_sets(recipe, draft_dir, sets, timed=own)
+    sets = {name: r["prompts"] for name, r in res.items()}
+    too_long = {name: r["skipped_too_long"] for name, r in res.items()}
     if not own:
-        return res, {}, {"sets": {}, "wall_s": None, "note": "not measured: the pod's vLLM sidecar serves only "
-                         "the trained draft, and a server without it cannot start beside it"}
+        return sets, too_long, res, {}, {
+            "sets": {}, "wall_s": None, "note": "not measured: the pod's vLLM sidecar serves only the trained "
+            "draft, and a server without it cannot start beside it"}
     from eagle_jobs.verifier import resolve_path
 
     untrained = work / "untrained-draft"
@@ -513,8 +549,9 @@ def measure_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict
     started = time.perf_counter()
     plain = speed_without_draft(recipe, sets)
     wall = time.perf_counter() - started + next(iter(res.values()))["speed_wall_s"]
-    return res, base, {"sets": {name: speedup_table(res[name]["speed"], plain[name], recipe) for name in sets},
-                       "note": SPEED_NOTE, "wall_s": wall}
+    return sets, too_long, res, base, {
+        "sets": {name: speedup_table(res[name]["speed"], plain[name], recipe) for name in sets},
+        "note": SPEED_NOTE, "wall_s": wall}
 
 
 def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None = None,
@@ -523,7 +560,6 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
     from eagle_jobs.verifier import load_config
 
     sets = eval_sets(recipe, prompts)  # bad prompt files fail here, before any model loads
-    sets, too_long = within_limits(recipe, sets)
     work = Path(tempfile.mkdtemp(prefix="eagle-eval-"))
     draft_dir = download_final(store, run_id, work / "draft", variant)
     draft_cfg = json.loads((draft_dir / "config.json").read_text())
@@ -537,7 +573,7 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
     k = recipe.evaluate.num_speculative_tokens
     console.print(f"[bold]evaluate[/] k={k}, backend {recipe.evaluate.backend}: "
                   + ", ".join(f"{name} ({len(m)} prompts)" for name, m in sets.items()))
-    res, base, speed = measure_sets(recipe, draft_dir, sets, work)
+    sets, too_long, res, base, speed = measure_sets(recipe, draft_dir, sets, work)
     per_set: dict[str, PromptSetResult] = {name: {
         "acceptance_length": res[name]["acceptance_length"],
         "per_position_acceptance": res[name]["per_position_acceptance"],

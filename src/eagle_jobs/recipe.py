@@ -41,6 +41,10 @@ class VerifierSpec(Section):
     model: str
     # The hub commit (40 hex digits) every stage, vLLM and the mirror read; required with remote code.
     revision: str | None = None
+    # The repository's own Python code runs, and only in the vLLM server: a stage's serve_args carry
+    # --trust-remote-code only when this is true (and the revision pinned). No eagle-jobs process runs
+    # it: they hold the store's read-write key, and read the config and tokenizer with transformers'
+    # own classes (eagle_jobs/verifier.py).
     trust_remote_code: bool = False
     # A store prefix (s3://<bucket>/models/<name>/<revision>, file://...) holding model@revision as
     # `eagle-jobs mirror-verifier` copied it: vLLM streams the weights from there, nothing reads the hub.
@@ -54,7 +58,7 @@ class VerifierSpec(Section):
     def _pinned(self) -> "VerifierSpec":
         hub = is_hub_id(self.model)
         if hub and self.trust_remote_code and not COMMIT.match(self.revision or ""):
-            raise ValueError("verifier.trust_remote_code runs the repository's own code in every pod: pin "
+            raise ValueError("verifier.trust_remote_code runs the repository's own code in the vLLM server: pin "
                              "verifier.revision to a commit (40 hex digits), not a branch or tag")
         if self.weights is not None:
             if hub and not COMMIT.match(self.revision or ""):
@@ -483,6 +487,10 @@ class Recipe(Section):
         if self.train.total_seq_len < 16:
             raise ValueError("train.total_seq_len must be at least 16")
         self._stream_consistent()
+        for stage in ("capture", "extract", "evaluate"):
+            if "--trust-remote-code" in getattr(self, stage).vllm.serve_args and not self.verifier.trust_remote_code:
+                raise ValueError(f"{stage}.vllm.serve_args has --trust-remote-code: set verifier.trust_remote_code "
+                                 "true (with verifier.revision pinned to a commit), or drop the flag")
         if self.evaluate.num_speculative_tokens > self.train.ttt_steps + 8:
             raise ValueError("evaluate.num_speculative_tokens is far above train.ttt_steps")
         return self

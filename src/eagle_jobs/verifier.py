@@ -7,6 +7,12 @@ Two things the seed run tripped over are handled here, once, for every stage:
   the `language_model.` prefix is stripped and vision-tower weights are skipped.
 Where the files are (a mirror in the store, the embedded GGUF converted once into a cached
 safetensors directory) is eagle_jobs.weights' business: this module asks it, never the reverse.
+
+Nothing here runs the verifier repository's own code, whatever `verifier.trust_remote_code` says:
+every process that imports this module holds the store's read-write key (prepare, the workers, train).
+Configs are read as JSON into transformers' own classes, tokenizers and models load with
+trust_remote_code=False; the repository's code runs only in the vLLM server, the one process that
+holds no read-write key (components/vllm-sidecar; docs/OPERATIONS.md#secrets).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import CONFIG_MAPPING, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from eagle_jobs.errors import BadInput
 from eagle_jobs.recipe import VerifierSpec
@@ -33,12 +39,26 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
     return getattr(config, "text_config", None) or config
 
 
+def config_from_dict(raw: dict) -> PretrainedConfig:
+    """A config.json as transformers' own class for its model_type (kimi_k25, deepseek_v3, llama, ...),
+    or, for a type transformers does not know, a plain PretrainedConfig holding its fields (a nested
+    `text_config` converted the same way): the fields are what the stages read, and no class from the
+    repository is imported."""
+    if raw.get("model_type") in CONFIG_MAPPING:
+        return CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
+    outer = PretrainedConfig.from_dict({k: v for k, v in raw.items() if k not in ("text_config", "auto_map")})
+    if isinstance(raw.get("text_config"), dict):
+        outer.text_config = config_from_dict(raw["text_config"])
+    return outer
+
+
 def load_config(spec: VerifierSpec) -> PretrainedConfig:
     path = resolve_path(spec, "small")
     try:
-        return AutoConfig.from_pretrained(path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+        raw, _ = PretrainedConfig.get_config_dict(path, revision=spec.revision)
     except (OSError, ValueError) as e:
         raise BadInput(f"verifier {spec.model}: cannot read its config ({str(e).splitlines()[0]})") from None
+    return config_from_dict(raw)
 
 
 def num_layers(spec: VerifierSpec) -> int:
@@ -47,7 +67,12 @@ def num_layers(spec: VerifierSpec) -> int:
 
 def load_tokenizer(spec: VerifierSpec):
     path = resolve_path(spec, "small")
-    tok = AutoTokenizer.from_pretrained(path, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, revision=spec.revision, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"verifier {spec.model}: transformers cannot load its tokenizer without the repository's "
+                       f"own code ({str(e).splitlines()[0]}), which eagle-jobs runs only in the vLLM server: "
+                       "use the vllm backend for capture, extract and evaluate") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -89,9 +114,13 @@ def load_verifier_uncached(spec: VerifierSpec) -> LoadedVerifier:
     tok = load_tokenizer(spec)
     model: CausalLM
     if tcfg is config:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, revision=spec.revision, trust_remote_code=spec.trust_remote_code, dtype=dtype
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, revision=spec.revision,
+                                                         trust_remote_code=False, dtype=dtype)
+        except ValueError as e:
+            raise BadInput(f"verifier {spec.model}: transformers has no model class for it without the "
+                           f"repository's own code ({str(e).splitlines()[0]}), which eagle-jobs runs only in "
+                           "the vLLM server: use the vllm backend for capture, extract and evaluate") from None
     else:
         # Nested multimodal verifier: build the text model from text_config and
         # load the language_model.* weights into it (the vision tower is not needed).
