@@ -124,6 +124,44 @@ def test_report(trained, tmp_path):
     assert rep2["prompt_sets"]["prompts"]["skipped_too_long"] == 1
 
 
+def write_traffic(path):
+    """Recorded chat-completions requests in the three shapes a recording takes (eagle_jobs/prompts.py):
+    a request body, a batch line (OpenAI's Batch API, vLLM's run_batch), a gateway's log record; and one
+    request with an image part, which a text draft is not measured on."""
+    ctx = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a fox."},
+           {"role": "assistant", "content": "Reynard."}, {"role": "user", "content": "And a dog?"}]
+    rows = [
+        {"model": "served", "messages": ctx, "max_tokens": 64, "temperature": 0.7},
+        {"custom_id": "r-2", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "served", "messages": [{"role": "user", "content": [
+             {"type": "text", "text": "Write a poem "}, {"type": "text", "text": "about the sea."}]}]}},
+        {"timestamp": "2026-12-06T10:00:00Z", "request": {"model": "served", "messages": [
+            {"role": "user", "content": "What is two plus two?"}]}, "response": {"choices": []}},
+        {"model": "served", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path, ctx
+
+
+def test_recorded_traffic_is_a_prompt_set_measured_as_it_was_sent(trained, tmp_path):
+    from eagle_jobs.evaluate import eval_sets
+
+    recipe, st, _ = trained
+    traffic, ctx = write_traffic(tmp_path / "traffic.jsonl")
+    ev = recipe.evaluate.model_copy(update={"prompt_sets": {"traffic": str(traffic)}})
+    r = recipe.model_copy(update={"evaluate": ev,
+                                  "prompts": recipe.prompts.model_copy(update={"max_rejected_fraction": 0.3})})
+    sets = eval_sets(r)
+    # the request with its context, assistant turn included, as sent; parts joined; the image request left out
+    assert sets["traffic"] == [ctx, [{"role": "user", "content": "Write a poem about the sea."}],
+                               [{"role": "user", "content": "What is two plus two?"}]]
+    rep = run_evaluate(r, st, "r", output=tmp_path / "out")
+    t = rep["prompt_sets"]["traffic"]
+    assert t["num_prompts"] == 3 and t["source"] == str(traffic) and t["tokens_generated"] > 0
+    assert rep["prompt_sets"]["validation"]["num_prompts"] == 2  # the held-out set, reported on its own
+
+
 def test_prompt_file_with_no_usable_prompt(trained, tmp_path):
     recipe, st, _ = trained
     p = tmp_path / "empty.jsonl"

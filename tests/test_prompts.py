@@ -161,3 +161,14 @@ def test_max_turns_keeps_the_first_user_turns_and_the_split_of_the_whole_convers
     assert [c.split for c in one] == [c.split for c in two] == [c.split for c in whole]
     assert [c.sha for c in one] == [c.sha for c in whole]
     assert 0 < sum(c.split == "validation" for c in one) < 40
+
+
+def test_a_recorded_request_for_another_endpoint_or_without_messages_is_rejected_by_reason(tmp_path):
+    p = tmp_path / "traffic.jsonl"
+    rows = [{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"model": "m", "input": "x"}},
+            {"request": {"model": "m", "prompt": "completions, not chat"}},
+            {"model": "m", "messages": [{"role": "user", "content": "kept"}]}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    convs, rejects = read_prompts(PromptSpec(source=str(p), validation=0, max_rejected_fraction=0.9))
+    assert [c.messages for c in convs] == [({"role": "user", "content": "kept"},)] and convs[0].request
+    assert rejects.by_reason == {"wrong_type": 1, "no_messages": 1}

@@ -202,7 +202,11 @@ def speculative_generate(verifier, proposer: Proposer, aux_ids: list[int], promp
 # -- prompts --------------------------------------------------------------------------------
 def _first_turns(convs) -> list[list[dict]]:
     out = []
-    for c in convs:  # the conversation up to its first user turn: what the verifier answers first
+    for c in convs:
+        if c.request:  # recorded traffic: the request as it was sent, its context included
+            out.append([dict(m) for m in c.messages])
+            continue
+        # a conversation up to its first user turn: what the verifier answers first
         first_user = next(i for i, m in enumerate(c.messages) if m["role"] == "user")
         out.append([dict(m) for m in c.messages[: first_user + 1] if m["role"] != "assistant"])
     return out

