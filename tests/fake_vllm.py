@@ -13,6 +13,7 @@ POST /tokenize               request: model, messages, chat_template_kwargs; res
                              max_model_len, tokens   vllm/entrypoints/serve/tokenize/protocol.py
 
 GET  /health                 -> 200 when ready      vllm/entrypoints/serve/health (api_router)
+GET  /version                -> {"version"}          vllm/entrypoints/serve/instrumentator/basic.py
 GET  /v1/models              -> {"object":"list","data":[{"id","object":"model","owned_by"}]}
                                                       vllm/entrypoints/openai/models/protocol.py
 POST /v1/chat/completions    request: messages, max_tokens, temperature, top_p, seed,
@@ -70,6 +71,7 @@ class FakeVllm:
         from eagle_jobs.recipe import VerifierSpec
         from eagle_jobs.verifier import load_verifier_uncached
 
+        self.version = "0.33.0"  # the wheel whose files this stand-in follows
         # the serving side loads the verifier its own way: the text model only
         self.v = load_verifier_uncached(VerifierSpec(model=model_dir))
         self.model = self.v.model.to(dtype)
@@ -253,6 +255,8 @@ class FakeVllm:
             def do_GET(self):
                 if self.path == "/health":
                     self._send(200, "")
+                elif self.path == "/version":
+                    self._send(200, {"version": fake.version})
                 elif self.path == "/metrics":
                     sp, lab = fake.spec, f'engine="0",model_name="{fake.name}"'
                     lines = [f"vllm:spec_decode_num_drafts_total{{{lab}}} {sp['drafts']}.0",

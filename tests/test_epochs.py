@@ -273,6 +273,9 @@ def test_rank_epochs_serves_each_epoch_with_real_vllm(tmp_path, monkeypatch):
         ours = evaluate_transformers(recipe, draft, prompts, untrained=False)
         assert row["served_tau"] == pytest.approx(ours["acceptance_length"], abs=1e-9)
         assert row["verifier_forwards"] == ours["rounds"] and row["wall_s"] > 0
+        # a server this process started: its runner and attention backend read from its own log
+        assert row["engine"]["model_runner"] in ("V1", "V2") and row["engine"]["engine"] == "vllm"
+        assert not row["engine"]["attention_backend"].startswith("not seen")
     assert report["served_ranking_wall_s"] == pytest.approx(sum(r["wall_s"] for r in report["epochs"]), abs=0.05)
 
     served = _served_counter(monkeypatch)  # a rerun reads every epoch back: no server starts

@@ -246,6 +246,9 @@ def test_vllm_backend_reads_spec_decode_counters(trained, tiny_kimi, tmp_path):
         fake.stop()
     drafts, acc = fake.spec["drafts"] - 5, fake.spec["accepted"] - 4
     assert drafts > 0 and res["rounds"] == drafts  # only this run's traffic counts
+    # an external server: its version from /version, what it chose left to its own log
+    assert res["engine"]["engine"] == "vllm" and res["engine"]["version"] == fake.version
+    assert res["engine"]["model_runner"].startswith("not seen: an external server")
     assert res["acceptance_length"] == pytest.approx(1 + acc / drafts)
     assert res["per_position_acceptance"][2] == 0.0
     assert res["per_position_acceptance"][0] == pytest.approx((fake.spec["per_pos"][0] - 3) / drafts)
@@ -273,3 +276,14 @@ def test_vllm_backend_starts_servers_for_draft_baseline_and_no_draft(trained, mo
     levels = rep["speedup"]["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 8] and [lv["requests"] for lv in levels] == [4, 8]
     assert all(lv["with_draft"]["output_tokens"] == lv["without_draft"]["output_tokens"] > 0 for lv in levels)
+
+
+def test_the_speculative_defaults_an_engine_record_names_are_the_installed_vllms():
+    """evaluate.VLLM_SPEC_DEFAULTS is what our --speculative-config leaves to vLLM: read from the installed
+    wheel, so a vLLM that changes a default changes this test, not a τ silently."""
+    from vllm.config.speculative import SpeculativeConfig
+
+    from eagle_jobs.evaluate import VLLM_SPEC_DEFAULTS
+
+    fields = SpeculativeConfig.__dataclass_fields__
+    assert {k: fields[k].default for k in VLLM_SPEC_DEFAULTS} == VLLM_SPEC_DEFAULTS

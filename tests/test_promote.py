@@ -95,3 +95,44 @@ def test_promote_only_when_better_with_lineage(tiny_recipe, tmp_path, bucket):
     assert "b/eval/data/report.md" in decided["b"]["summary"]
     assert reconcile(st, fresh) == []  # decided once: a later pass leaves them alone
     assert reconcile(st, f"s3://{bucket}/runs/drafts/other", prefix="ci-") == []  # only run ids with the prefix
+
+
+def test_tau_names_its_engine_and_promote_compares_only_under_one(tiny_recipe, tmp_path):
+    """Every report names the engine that measured it; a draft promoted on another engine (another vLLM
+    version, runner, attention backend, rejection rule or sampling) is not compared with, unless
+    --across-engines measures both drafts again here."""
+    import transformers
+
+    recipe = tiny_recipe(train={"epochs": 1}, evaluate={"num_prompts": 2})
+    st = Store.open(recipe.store.uri)
+    run_capture(recipe, st, "a")
+    run_extract(recipe, st, "a")
+    run_train(recipe, st, "a", work_dir=tmp_path / "a")
+    rep = run_evaluate(recipe, st, "a")
+    engine = rep["engine"]
+    assert engine["engine"] == "transformers" and transformers.__version__ in engine["version"]
+    assert engine["spec_settings"]["num_speculative_tokens"] == 2 and engine["sampling"]["temperature"] == 0.0
+    assert engine["sampling"]["max_tokens"] == recipe.evaluate.max_new_tokens and len(engine["key"]) == 16
+    assert "## Engine" in st.get("a/eval/data/report.md").decode()
+    dest = f"file://{tmp_path}/drafts"
+    promote(st, "a", dest)
+    d = Store.open(dest)
+    cur = d.get_json("CURRENT.json")
+    assert cur["engine"] == engine
+    # the promoted draft's τ from vLLM 0.31's V1 runner: not comparable with this one's
+    other = {**engine, "engine": "vllm", "version": "0.31.0", "model_runner": "V1", "key": "0" * 16}
+    d.put_json("CURRENT.json", {**cur, "engine": other})
+    with pytest.raises(BadInput, match=r"on vllm 0.31.0, runner V1.*τ from two engines is not compared. "
+                                       r"Pass --across-engines"):
+        promote(st, "a", dest)
+    d.put_json("CURRENT.json", {k: v for k, v in cur.items() if k != "engine"})  # promoted before engines
+    with pytest.raises(BadInput, match="an engine it does not name"):
+        promote(st, "a", dest)
+    nine = {n: {**x, "acceptance_length": 9.0} for n, x in cur["prompt_sets"].items()}
+    d.put_json("CURRENT.json", {**cur, "engine": other, "acceptance_length": 9.0, "prompt_sets": nine})
+    lin = promote(st, "a", dest, across_engines=True)  # 9.0 was another engine's: both measured again here
+    again = lin["remeasured_across_engines"]
+    assert again["engine"]["key"] == engine["key"] and again["promoted"]["run_id"] == "a"
+    assert again["candidate"]["validation"]["acceptance_length"] == pytest.approx(rep["acceptance_length"])
+    assert again["promoted"]["sets"]["validation"] == again["candidate"]["validation"]
+    assert d.get_json("CURRENT.json")["engine"]["key"] == engine["key"]

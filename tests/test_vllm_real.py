@@ -193,6 +193,8 @@ def eagle3_server(smollm2_chain):
 
 
 def test_eagle3_tau_from_metrics_equals_the_transformers_loop(smollm2_chain, eagle3_server):
+    import vllm
+
     from eagle_jobs.evaluate import eval_prompts, evaluate_transformers, evaluate_vllm
 
     recipe, _st, _root = smollm2_chain
@@ -206,6 +208,9 @@ def test_eagle3_tau_from_metrics_equals_the_transformers_loop(smollm2_chain, eag
     assert real["acceptance_length"] == pytest.approx(ours["acceptance_length"], abs=1e-9)
     assert real["per_position_acceptance"] == pytest.approx(ours["per_position_acceptance"], abs=1e-9)
     assert real["tokens_generated"] == ours["tokens_generated"]
+    # the engine record names the server's version, read from its /version
+    assert real["engine"]["version"] == vllm.__version__ and ours["engine"]["engine"] == "transformers"
+    assert real["engine"]["key"] != ours["engine"]["key"]  # promote compares neither with the other
 
 
 def test_capture_against_an_external_endpoint(smollm2_chain, eagle3_server, tmp_path):

@@ -325,7 +325,10 @@ def promote(run_id: RunIdArg,
             store: StoreOpt = None,
             tolerance: Annotated[float, typer.Option(help="a tie within this much tau still promotes")] = 0.01,
             min_speedup: MinSpeedupOpt = None,
-            image_digest: Annotated[Optional[list[str]], typer.Option(help="stage=sha256:... (repeatable)")] = None):
+            image_digest: Annotated[Optional[list[str]], typer.Option(help="stage=sha256:... (repeatable)")] = None,
+            across_engines: Annotated[bool, typer.Option(
+                "--across-engines", help="against a draft measured on another engine (vLLM version, runner, "
+                "sampling), measure both again here and compare those")] = False):
     """Copy a run's draft to a stable place only if its tau beats (or ties) the promoted one."""
     from eagle_jobs.promote import promote as do_promote
 
@@ -333,7 +336,7 @@ def promote(run_id: RunIdArg,
     if st is None:
         raise typer.BadParameter("--store (or $EAGLE_JOBS_STORE) is required")
     digests = dict(d.split("=", 1) for d in image_digest or [])
-    do_promote(st, run_id, to, tolerance, digests, min_speedup)
+    do_promote(st, run_id, to, tolerance, digests, min_speedup, across_engines)
 
 
 def _store_or_none(uri: str | None):

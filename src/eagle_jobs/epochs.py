@@ -158,6 +158,7 @@ def serve_epoch(recipe: Recipe, train: Stage, ckpt: dict, prompts: list[list[dic
             "per_position_acceptance": res["per_position_acceptance"], "verifier_forwards": res["rounds"],
             "tokens_generated": res["tokens_generated"], "wall_s": round(time.perf_counter() - started, 2),
             "num_prompts": len(res.get("prompts", prompts)), "skipped_too_long": res.get("skipped_too_long"),
+            "engine": res["engine"],
             "measured_at": time.time()}
 
 

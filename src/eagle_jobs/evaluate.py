@@ -34,7 +34,7 @@ from eagle_jobs.layout import StageName, content_hash, eval_dir, train_dir
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.prompts import load_prompt_index, load_prompts
 from eagle_jobs.recipe import PromptSpec, Recipe
-from eagle_jobs.records import EvalReport, PromptSetResult, SpeedLevel, SpeedTable, TimedPass
+from eagle_jobs.records import EngineRecord, EvalReport, PromptSetResult, SpeedLevel, SpeedTable, TimedPass
 from eagle_jobs.serve_plans import evaluate_plan
 from eagle_jobs.store import Stage, Store
 
@@ -322,7 +322,59 @@ def evaluate_transformers(recipe: Recipe, draft_dir: Path, prompts: list[list[di
             outputs.append(gen)
             advance(1, acc.tokens - before)
     return {"acceptance_length": acc.tau, "per_position_acceptance": acc.per_position(), "rounds": acc.rounds,
-            "tokens_generated": sum(len(g) for g in outputs), "outputs": outputs}
+            "tokens_generated": sum(len(g) for g in outputs), "outputs": outputs,
+            "engine": engine_record(recipe, attention=getattr(v.model.config, "_attn_implementation", None))}
+
+
+# -- the engine that measured τ ------------------------------------------------------------------
+# What vLLM does with an EAGLE-3 draft that our --speculative-config leaves to its defaults (vllm 0.32
+# config/speculative.py:529 rejection_sample_method, :600 draft_sample_method): in effect in every τ.
+VLLM_SPEC_DEFAULTS = {"rejection_sample_method": "standard", "draft_sample_method": "greedy"}
+# What the server's log says it chose (vllm 0.32 v1/worker/gpu_worker.py:518 and cpu_worker.py:162 log
+# the V2 runner; platforms/cuda.py:446,507 and cpu.py:163,175 the attention backend, CPU_ATTN unlogged).
+_V2_RUNNER = "Using V2 Model Runner"
+_ATTENTION = re.compile(r"Using (\w+) (?:attention )?backend")
+
+
+def engine_record(recipe: Recipe, base: str | None = None, log: Path | None = None,
+                  attention: str | None = None) -> EngineRecord:
+    """The engine a τ was measured on: base, a vLLM server (its /version; runner and attention backend
+    from `log` where this process started it); None, this process's transformers loop."""
+    ev = recipe.evaluate
+    sampling = {"temperature": 0.0, "max_tokens": ev.max_new_tokens,
+                "chat_template_kwargs": recipe.chat.template_kwargs()}
+    if base is None:
+        import transformers
+
+        rec = {"engine": "transformers",
+               "version": f"transformers {transformers.__version__}, torch {torch.__version__}",
+               "model_runner": "eagle-jobs greedy chain loop (evaluate.speculative_generate)",
+               "attention_backend": attention or "sdpa", "spec_method": "eagle3",
+               "spec_settings": {"num_speculative_tokens": ev.num_speculative_tokens,
+                                 "acceptance": "a draft token counts while it equals the verifier's argmax"},
+               "sampling": sampling}
+    else:
+        import httpx
+
+        version = httpx.get(f"{base}/version", timeout=30).json()["version"]  # serve/instrumentator/basic.py:53
+        text = log.read_text(errors="replace") if log is not None and log.is_file() else None
+        found = _ATTENTION.search(text or "")
+        rec = {"engine": "vllm", "version": str(version),
+               "model_runner": ("not seen: an external server (its own log says)" if text is None
+                                else "V2" if _V2_RUNNER in text else "V1"),
+               "attention_backend": ("not seen: an external server (its own log says)" if text is None
+                                     else found.group(1) if found else "the platform's default (not logged)"),
+               "spec_method": "eagle3",
+               "spec_settings": {"num_speculative_tokens": ev.num_speculative_tokens, **VLLM_SPEC_DEFAULTS},
+               "sampling": sampling}
+    return cast(EngineRecord, {**rec, "key": content_hash(rec, 16)})
+
+
+def describe_engine(e: EngineRecord | dict | None) -> str:
+    if not e:
+        return "an engine it does not name (measured before engines were recorded)"
+    return (f"{e['engine']} {e['version']}, runner {e['model_runner']}, attention {e['attention_backend']}, "
+            f"{e['spec_method']} {e['spec_settings']}")
 
 
 _METRIC = re.compile(r'^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$')
@@ -373,8 +425,10 @@ def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[lis
 
     k = recipe.evaluate.num_speculative_tokens
     out: dict[str, dict] = {}
-    with vllm_endpoint(evaluate_plan(recipe, draft_dir)) as base:
+    log = Path(tempfile.mkdtemp(prefix="eagle-vllm-")) / "serve.log"  # read for the engine record
+    with vllm_endpoint(evaluate_plan(recipe, draft_dir), log) as base:
         model = served_model(base)
+        engine = engine_record(recipe, base, log if log.is_file() else None)
         sets, too_long = within_limits(recipe, sets, served_token_count(recipe, base, model))
         # timed before the τ pass, so that neither this server nor the one without a draft has seen the
         # timed prompts before (vLLM's prefix cache would shorten their prefill on one side only)
@@ -406,7 +460,7 @@ def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[lis
             out[name] = {"acceptance_length": 1 + accepted / drafts if drafts else 1.0,
                          "per_position_acceptance": per_pos, "rounds": int(drafts), "tokens_generated": tokens,
                          "outputs": [], "speed": speed.get(name), "speed_wall_s": speed_wall_s,
-                         "prompts": prompts, "skipped_too_long": too_long[name]}
+                         "prompts": prompts, "skipped_too_long": too_long[name], "engine": engine}
     return out
 
 
@@ -558,6 +612,20 @@ def measure_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict
         "note": SPEED_NOTE, "wall_s": wall}
 
 
+def tau_on_this_engine(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict]]]) -> tuple[EngineRecord, dict]:
+    """One draft's τ per set on this process's engine (the recipe's evaluate backend), without baseline or
+    speed pass: (engine, {set: {acceptance_length, prompts_sha256}}), what promote --across-engines compares."""
+    if recipe.evaluate.backend == "transformers":
+        kept, _ = within_limits(recipe, sets)
+        res = {name: evaluate_transformers(recipe, draft_dir, m, untrained=False) for name, m in kept.items()}
+    else:
+        res = evaluate_vllm_sets(recipe, draft_dir, sets)
+        kept = {name: r["prompts"] for name, r in res.items()}
+    return next(iter(res.values()))["engine"], {
+        name: {"acceptance_length": r["acceptance_length"], "prompts_sha256": content_hash(kept[name])}
+        for name, r in res.items()}
+
+
 def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None = None,
                  output: Path | None = None, variant: str | None = None) -> EvalReport:
     """tau (and speed) of the run's final draft, or of one `compare` variant's, on every prompt set."""
@@ -608,7 +676,8 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
         "teacher_forced_estimate": teacher_forced_estimate(
             metrics, k, (train_cfg.get("selection") or {}).get("epoch")),
         "teacher_forced_note": "1 + sum of the exported epoch's validation full_acc_i: an estimate, not a measurement",
-        "backend": recipe.evaluate.backend, "prompts": primary if not prompts else str(prompts),
+        "backend": recipe.evaluate.backend, "engine": res[primary]["engine"],
+        "prompts": primary if not prompts else str(prompts),
         "prompts_sha256": p["prompts_sha256"], "prompt_sets": per_set,
         "train": {k2: train_cfg.get(k2) for k2 in ("samples", "epochs", "total_steps", "parameters", "selection")},
         "run_id": run_id,

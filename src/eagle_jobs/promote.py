@@ -2,7 +2,7 @@
 
 Layout under the destination (e.g. s3://bucket/runs/drafts/kimi-k2.5):
     versions/<run-id>/...        the checkpoint, report.json/.md and lineage.json
-    CURRENT.json                 which version is promoted, its tau and evaluation prompts
+    CURRENT.json                 which version is promoted, its tau, evaluation prompts and engine
 
 The version is copied completely before CURRENT.json is replaced (one PUT), so a
 reader never sees a half-promoted draft.
@@ -70,10 +70,63 @@ def check_speedup(report: dict, run_id: str, min_speedup: float | None) -> None:
             ExitCode.NOT_BETTER)
 
 
+def shared_sets(report: dict, current: dict, run_id: str, tau: float, sets: dict) -> dict:
+    """{set: (candidate τ, promoted τ)} on every prompt set both were measured on, each on its own."""
+    cur_sets = current.get("prompt_sets") or {}
+    same = {n for n in sets if n in cur_sets and cur_sets[n]["prompts_sha256"] == sets[n]["prompts_sha256"]}
+    if not same and current.get("prompts_sha256") != report.get("prompts_sha256"):
+        raise BadInput(f"promote: '{run_id}' was evaluated on other prompts than the promoted "
+                       f"'{current['run_id']}' ({report.get('prompts_sha256')} "
+                       f"vs {current.get('prompts_sha256')}): "
+                       "evaluate both with the same --prompts file or evaluate.prompt_sets")
+    return {n: (sets[n]["acceptance_length"], cur_sets[n]["acceptance_length"]) for n in sorted(same)} or \
+        {"prompts": (tau, current["acceptance_length"])}
+
+
+def check_engines(report: dict, current: dict, run_id: str) -> None:
+    """τ compares only under one engine (evaluate.engine_record's key): another vLLM version, model runner,
+    attention backend, rejection rule or sampling moves it without the draft changing (vLLM #40551)."""
+    from eagle_jobs.evaluate import describe_engine
+
+    new, old = report.get("engine"), current.get("engine")
+    if not new or not old or new["key"] != old["key"]:
+        raise BadInput(f"promote: '{run_id}' was measured on {describe_engine(new)}; the promoted "
+                       f"'{current['run_id']}' on {describe_engine(old)}: τ from two engines is not compared. "
+                       "Pass --across-engines to measure both drafts again on this machine's engine")
+
+
+def remeasure(store: Store, run_id: str, dest: Store, current: dict) -> tuple[dict, dict, dict]:
+    """Both drafts on this process's engine, on the candidate recipe's prompt sets: (engine, the
+    candidate's {set: {acceptance_length, prompts_sha256}}, the promoted draft's)."""
+    import tempfile
+    from pathlib import Path
+
+    from eagle_jobs.committed import download_final
+    from eagle_jobs.evaluate import eval_sets, tau_on_this_engine
+    from eagle_jobs.recipe import Recipe
+
+    work = Path(tempfile.mkdtemp(prefix="eagle-promote-"))
+    candidate = download_final(store, run_id, work / "candidate")
+    recipe = Recipe.model_validate(json.loads((candidate / "recipe.json").read_text()))
+    promoted, prefix = work / "promoted", f"versions/{current['run_id']}/"
+    promoted.mkdir(parents=True)
+    for key in dest.list(prefix):  # the promoted checkpoint's files, not its eval/ or lineage (module doc)
+        rel = key.rstrip("/").split(prefix, 1)[1]
+        if rel not in ("eval", "lineage.json"):
+            (promoted / rel).write_bytes(dest.get(key))
+    sets = eval_sets(recipe)
+    engine, new = tau_on_this_engine(recipe, candidate, sets)
+    _, old = tau_on_this_engine(recipe, promoted, sets)
+    console.print(f"promote --across-engines: both drafts measured on {engine['engine']} {engine['version']}")
+    return dict(engine), new, old
+
+
 def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
-            image_digests: dict[str, str] | None = None, min_speedup: float | None = None) -> dict:
+            image_digests: dict[str, str] | None = None, min_speedup: float | None = None,
+            across_engines: bool = False) -> dict:
     """min_speedup: the threshold at concurrency 1; None takes the one evaluate recorded from the recipe
-    (evaluate.min_speedup), which may be None too (no rule)."""
+    (evaluate.min_speedup), which may be None too (no rule). across_engines: against a draft promoted on
+    another engine, measure both again here (remeasure) and compare those; else such a draft is refused."""
     train, ev = Stage(store, run_id, StageName.TRAIN.dir), Stage(store, run_id, StageName.EVALUATE.dir)
     final, report_m = train.manifest("final"), ev.manifest("report")
     if final is None or report_m is None:
@@ -89,17 +142,18 @@ def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
     except FileNotFoundError:
         current = None
     sets = {name: x for name, x in (report.get("prompt_sets") or {}).items()}
+    engine, remeasured = report.get("engine"), None
+    if current is not None and across_engines and (current.get("engine") or {}).get("key") != (engine or {}).get(
+            "key"):
+        engine, new, old = remeasure(store, run_id, dest, current)
+        remeasured = {"engine": engine, "candidate": new, "promoted": {"run_id": current["run_id"], "sets": old}}
+        sets = {n: {**sets.get(n, {}), **x} for n, x in new.items()}  # the candidate's τ on this engine
+        tau = next(iter(new.values()))["acceptance_length"]
+        pairs = {n: (new[n]["acceptance_length"], old[n]["acceptance_length"]) for n in new}
+    elif current is not None:
+        check_engines(report, current, run_id)
+        pairs = shared_sets(report, current, run_id, tau, sets)
     if current is not None:
-        cur_sets = current.get("prompt_sets") or {}
-        same = {n for n in sets if n in cur_sets and cur_sets[n]["prompts_sha256"] == sets[n]["prompts_sha256"]}
-        if not same and current.get("prompts_sha256") != report.get("prompts_sha256"):
-            raise BadInput(f"promote: '{run_id}' was evaluated on other prompts than the promoted "
-                           f"'{current['run_id']}' ({report.get('prompts_sha256')} "
-                           f"vs {current.get('prompts_sha256')}): "
-                           "evaluate both with the same --prompts file or evaluate.prompt_sets")
-        # every prompt set both were measured on must hold up, each on its own
-        pairs = {n: (sets[n]["acceptance_length"], cur_sets[n]["acceptance_length"]) for n in sorted(same)} or \
-            {"prompts": (tau, current["acceptance_length"])}
         worse = {n: p for n, p in pairs.items() if p[0] + tolerance < p[1]}
         if worse:
             msg = "promote: not promoted: " + "; ".join(
@@ -126,10 +180,12 @@ def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
         "speedup_at_concurrency_1": {n: speedup_at_1(x) for n, x in sets.items()},
         "source": store.url(train.key("data/final")), "promoted_at": time.time(),
         "previous": current["run_id"] if current else None,
+        # the engine every τ above was measured on; remeasured: both drafts again on it (--across-engines)
+        "engine": engine, "remeasured_across_engines": remeasured,
     }
     dest.put_json(f"{prefix}/lineage.json", lineage)
     dest.put_json("CURRENT.json", {"run_id": run_id, "version": dest.url(prefix), "acceptance_length": tau,
-                                   "prompts_sha256": report.get("prompts_sha256"),
+                                   "prompts_sha256": report.get("prompts_sha256"), "engine": engine,
                                    "lineage": dest.url(f"{prefix}/lineage.json"),
                                    "prompt_sets": {n: {"acceptance_length": x["acceptance_length"],
                                                        "prompts_sha256": x["prompts_sha256"]}

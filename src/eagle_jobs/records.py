@@ -129,6 +129,19 @@ class PromptSetResult(TypedDict):
     speedup: SpeedTable | None
 
 
+class EngineRecord(TypedDict):
+    """What measured a τ and a speedup (evaluate.engine_record): two figures compare only under one `key`."""
+
+    engine: str  # vllm | transformers
+    version: str  # the server's /version, or transformers' and torch's
+    model_runner: str
+    attention_backend: str
+    spec_method: str
+    spec_settings: dict  # num_speculative_tokens and the rejection rule in effect
+    sampling: dict  # the request's sampling fields
+    key: str  # content hash of every field above
+
+
 class EvalReport(TypedDict):
     """eval's `data/report.json`: the first prompt set's figures at the top, every set in prompt_sets."""
 
@@ -151,6 +164,7 @@ class EvalReport(TypedDict):
     teacher_forced_estimate: float | None
     teacher_forced_note: str
     backend: str
+    engine: EngineRecord
     prompts: str
     prompts_sha256: str
     prompt_sets: dict[str, PromptSetResult]

@@ -172,10 +172,25 @@ def _markdown(report: EvalReport, with_speedup_plot: bool) -> str:
         "tau = tokens per verifier forward, bonus token included (vLLM's 1 + accepted/drafts).", "",
         *_per_set_table(report),
         *_speedup_table(report),
+        *_engine_table(report),
         *(["![speedup against concurrency](speedup.png)", ""] if with_speedup_plot else []),
         "![training](training.png)", "", "![acceptance by position](acceptance.png)", "", "![tau](tau.png)", "",
     ]
     return "\n".join(md)
+
+
+def _engine_table(report: EvalReport) -> list[str]:
+    """What measured every figure above: promote compares τ only under one engine key."""
+    e = report.get("engine")
+    if not e:
+        return []
+    rows = ["## Engine", "", "Every τ and speedup above was measured on this engine; `promote` compares only "
+            f"figures under one engine key (`{e['key']}`).", "", "| | |", "|---|---|"]
+    for field in ("engine", "version", "model_runner", "attention_backend", "spec_method"):
+        rows.append(f"| {field.replace('_', ' ')} | {e[field]} |")
+    rows.append("| speculative settings | " + ", ".join(f"{k} {v}" for k, v in e["spec_settings"].items()) + " |")
+    rows.append("| sampling | " + ", ".join(f"{k} {v}" for k, v in e["sampling"].items()) + " |")
+    return [*rows, ""]
 
 
 def _per_set_table(report: EvalReport) -> list[str]:
