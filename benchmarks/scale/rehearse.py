@@ -119,8 +119,9 @@ def rehearsal_recipe(recipe_path: Path, work: Path, n: int, token_scale: float, 
     scale = token_scale * bytes_per_token(layers, hidden, storage) / bytes_per_token(layers, real_hidden, storage)
     write_verifier(work / "verifier", r.verifier.num_layers, hidden, 163840)
     upd = {
-        "verifier": r.verifier.model_copy(update={"model": str(work / "verifier"), "revision": None,
-                                                   "trust_remote_code": False, "weights": None}),
+        # trust_remote_code stays as the recipe says, with the recipe's serve_args (no eagle-jobs process
+        # runs the verifier's code: eagle_jobs/verifier.py); a local directory needs no pinned revision
+        "verifier": r.verifier.model_copy(update={"model": str(work / "verifier"), "revision": None, "weights": None}),
         "prompts": r.prompts.model_copy(update={"source": str(work / "prompts.jsonl"), "limit": n}),
         "extract": r.extract.model_copy(update={"storage_dtype": storage,
                                                  "shard_bytes": max(1, int(r.extract.shard_bytes * scale))}),
