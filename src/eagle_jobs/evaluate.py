@@ -336,10 +336,19 @@ _V2_RUNNER = "Using V2 Model Runner"
 _ATTENTION = re.compile(r"Using (\w+) (?:attention )?backend")
 
 
-def engine_record(recipe: Recipe, base: str | None = None, log: Path | None = None,
+NOT_SEEN = "not seen: an external server (its own log says)"
+
+
+def _log_since(log: Path, offset: int) -> str:
+    with log.open("rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
+def engine_record(recipe: Recipe, base: str | None = None, log_text: str | None = None,
                   attention: str | None = None) -> EngineRecord:
     """The engine a τ was measured on: base, a vLLM server (its /version; runner and attention backend
-    from `log` where this process started it); None, this process's transformers loop."""
+    from log_text, its log, where this process started it); None, this process's transformers loop."""
     ev = recipe.evaluate
     sampling = {"temperature": 0.0, "max_tokens": ev.max_new_tokens,
                 "chat_template_kwargs": recipe.chat.template_kwargs()}
@@ -357,12 +366,10 @@ def engine_record(recipe: Recipe, base: str | None = None, log: Path | None = No
         import httpx
 
         version = httpx.get(f"{base}/version", timeout=30).json()["version"]  # serve/instrumentator/basic.py:53
-        text = log.read_text(errors="replace") if log is not None and log.is_file() else None
-        found = _ATTENTION.search(text or "")
+        found = _ATTENTION.search(log_text or "")
         rec = {"engine": "vllm", "version": str(version),
-               "model_runner": ("not seen: an external server (its own log says)" if text is None
-                                else "V2" if _V2_RUNNER in text else "V1"),
-               "attention_backend": ("not seen: an external server (its own log says)" if text is None
+               "model_runner": NOT_SEEN if log_text is None else "V2" if _V2_RUNNER in log_text else "V1",
+               "attention_backend": (NOT_SEEN if log_text is None
                                      else found.group(1) if found else "the platform's default (not logged)"),
                "spec_method": "eagle3",
                "spec_settings": {"num_speculative_tokens": ev.num_speculative_tokens, **VLLM_SPEC_DEFAULTS},
@@ -372,7 +379,7 @@ def engine_record(recipe: Recipe, base: str | None = None, log: Path | None = No
 
 def describe_engine(e: EngineRecord | dict | None) -> str:
     if not e:
-        return "an engine it does not name (measured before engines were recorded)"
+        return "an engine it does not name (its record has no `engine`)"
     return (f"{e['engine']} {e['version']}, runner {e['model_runner']}, attention {e['attention_backend']}, "
             f"{e['spec_method']} {e['spec_settings']}")
 
@@ -421,14 +428,15 @@ def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[lis
     timed: first time each set at each concurrency level (measure_speed), as out[set]["speed"]."""
     import httpx
 
-    from eagle_jobs.vllm_server import vllm_endpoint
+    from eagle_jobs.vllm_server import server_log, vllm_endpoint
 
     k = recipe.evaluate.num_speculative_tokens
     out: dict[str, dict] = {}
-    log = Path(tempfile.mkdtemp(prefix="eagle-vllm-")) / "serve.log"  # read for the engine record
+    log = server_log(None, f"port-{recipe.evaluate.vllm.port}")  # vllm_endpoint's own choice, appended to
+    ended = log.stat().st_size if log.is_file() else 0  # a server started here writes after this
     with vllm_endpoint(evaluate_plan(recipe, draft_dir), log) as base:
         model = served_model(base)
-        engine = engine_record(recipe, base, log if log.is_file() else None)
+        engine = engine_record(recipe, base, _log_since(log, ended) if own_servers(recipe) else None)
         sets, too_long = within_limits(recipe, sets, served_token_count(recipe, base, model))
         # timed before the τ pass, so that neither this server nor the one without a draft has seen the
         # timed prompts before (vLLM's prefix cache would shorten their prefill on one side only)
@@ -573,27 +581,42 @@ SPEED_NOTE = ("output tokens per second of streamed greedy chat requests with th
               "server without the draft is started with the same serve_args and no --speculative-config")
 
 
+def own_servers(recipe: Recipe) -> bool:
+    """Whether evaluate starts its vLLM servers itself: no endpoint in the recipe, no pod sidecar
+    ($EAGLE_JOBS_VLLM_ENDPOINT, components/vllm-sidecar)."""
+    import os
+
+    return not (recipe.evaluate.vllm.endpoint or os.environ.get("EAGLE_JOBS_VLLM_ENDPOINT"))
+
+
+def measure_draft(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict]]],
+                  timed: bool = False) -> tuple[dict, dict[str, int], dict[str, dict]]:
+    """One draft's results per set on the recipe's backend: (prompts kept per set, prompts skipped as too
+    long per set, results). The transformers backend counts prompt lengths with the verifier's tokenizer
+    first; the vLLM backend on its server (served_token_count), where the verifier's own code may run.
+    timed (vLLM): the speed pass too (evaluate_vllm_sets)."""
+    if recipe.evaluate.backend == "transformers":
+        kept, too_long = within_limits(recipe, sets)
+        return kept, too_long, {name: evaluate_transformers(recipe, draft_dir, m, untrained=False)
+                                for name, m in kept.items()}
+    res = evaluate_vllm_sets(recipe, draft_dir, sets, timed=timed)
+    return ({name: r["prompts"] for name, r in res.items()}, {name: r["skipped_too_long"] for name, r in res.items()},
+            res)
+
+
 def measure_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict]]], work: Path):
     """τ of the draft and of an untrained one per set, and the speedup per set where it can be measured:
     (prompts kept per set, prompts skipped as too long per set, draft's results, untrained draft's results,
-    {"sets": set -> speedup table, "note", "wall_s"}). The transformers backend counts prompt lengths with
-    the verifier's tokenizer first; the vLLM backend on its server (served_token_count), where the
-    verifier's own code may run."""
-    import os
-
-    if recipe.evaluate.backend == "transformers":
-        sets, too_long = within_limits(recipe, sets)
-        res = {name: evaluate_transformers(recipe, draft_dir, m, untrained=False) for name, m in sets.items()}
+    {"sets": set -> speedup table, "note", "wall_s"})."""
+    vllm, own = recipe.evaluate.backend == "vllm", own_servers(recipe)
+    sets, too_long, res = measure_draft(recipe, draft_dir, sets, timed=vllm and own)
+    if not vllm:
         base = {name: evaluate_transformers(recipe, draft_dir, m, untrained=True) for name, m in sets.items()}
         return sets, too_long, res, base, {
             "sets": {}, "wall_s": None, "note": "not measured: speed is a serving measure, taken on the vllm "
             "backend (the transformers loop runs one request at a time, unbatched)"}
     # The baseline and the speed without a draft need servers of their own: possible when this stage
     # starts vLLM itself, not when a sidecar serves the trained draft for the whole pod.
-    own = not (recipe.evaluate.vllm.endpoint or os.environ.get("EAGLE_JOBS_VLLM_ENDPOINT"))
-    res = evaluate_vllm_sets(recipe, draft_dir, sets, timed=own)
-    sets = {name: r["prompts"] for name, r in res.items()}
-    too_long = {name: r["skipped_too_long"] for name, r in res.items()}
     if not own:
         return sets, too_long, res, {}, {
             "sets": {}, "wall_s": None, "note": "not measured: the pod's vLLM sidecar serves only the trained "
@@ -615,12 +638,7 @@ def measure_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict
 def tau_on_this_engine(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict]]]) -> tuple[EngineRecord, dict]:
     """One draft's τ per set on this process's engine (the recipe's evaluate backend), without baseline or
     speed pass: (engine, {set: {acceptance_length, prompts_sha256}}), what promote --across-engines compares."""
-    if recipe.evaluate.backend == "transformers":
-        kept, _ = within_limits(recipe, sets)
-        res = {name: evaluate_transformers(recipe, draft_dir, m, untrained=False) for name, m in kept.items()}
-    else:
-        res = evaluate_vllm_sets(recipe, draft_dir, sets)
-        kept = {name: r["prompts"] for name, r in res.items()}
+    kept, _, res = measure_draft(recipe, draft_dir, sets)
     return next(iter(res.values()))["engine"], {
         name: {"acceptance_length": r["acceptance_length"], "prompts_sha256": content_hash(kept[name])}
         for name, r in res.items()}

@@ -143,8 +143,8 @@ def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
         current = None
     sets = {name: x for name, x in (report.get("prompt_sets") or {}).items()}
     engine, remeasured = report.get("engine"), None
-    if current is not None and across_engines and (current.get("engine") or {}).get("key") != (engine or {}).get(
-            "key"):
+    other_engine = current is not None and (current.get("engine") or {}).get("key") != (engine or {}).get("key")
+    if current is not None and other_engine and across_engines:
         engine, new, old = remeasure(store, run_id, dest, current)
         remeasured = {"engine": engine, "candidate": new, "promoted": {"run_id": current["run_id"], "sets": old}}
         sets = {n: {**sets.get(n, {}), **x} for n, x in new.items()}  # the candidate's τ on this engine

@@ -387,13 +387,12 @@ class PromptIndex:
     refs: list[PromptRef]
     chars: int  # of all messages' content: what `plan` prices prompts by
     generations: int  # user turns: the answers capture regenerates
-    kept: dict[int, tuple] = field(default_factory=dict)
-    requests: set[int] = field(default_factory=set)  # positions of recorded requests (traffic rows)
+    kept: dict[int, tuple[tuple, bool]] = field(default_factory=dict)  # position -> (messages, request)
     _read: Callable[[int, int], bytes] | None = field(default=None, repr=False, compare=False)
 
     def load(self, refs: list[PromptRef], max_gap: int = 1 << 20) -> list[Conversation]:
         """The conversations of `refs`, in their order: nearby lines of the source share one range read."""
-        msgs: dict[int, tuple] = {r.position: self.kept[r.position] for r in refs if r.start < 0}
+        msgs: dict[int, tuple[tuple, bool]] = {r.position: self.kept[r.position] for r in refs if r.start < 0}
         ranged = [r for r in refs if r.start >= 0]
         if ranged and self._read is None:
             self._read = _range_reader(self.spec.source)
@@ -403,14 +402,14 @@ class PromptIndex:
             blob = self._read(lo, run[-1].start + run[-1].length)
             for r in run:
                 try:
-                    whole, _ = _row(json.loads(blob[r.start - lo : r.start - lo + r.length]))
+                    whole, request = _row(json.loads(blob[r.start - lo : r.start - lo + r.length]))
                 except (_Bad, json.JSONDecodeError, UnicodeDecodeError):
-                    whole = []
+                    whole, request = [], False
                 if content_hash(whole) != r.sha:
                     raise BadInput(f"prompts {self.spec.source}: changed while in use (line at byte {r.start}); "
                                    "a prompt set is read-only once a run starts: use a new file")
-                msgs[r.position] = tuple(_first_turns(whole, self.spec.max_turns))
-        return [Conversation(r.position, msgs[r.position], r.sha, r.split, r.position in self.requests)
+                msgs[r.position] = tuple(_first_turns(whole, self.spec.max_turns)), request
+        return [Conversation(r.position, msgs[r.position][0], r.sha, r.split, request=msgs[r.position][1])
                 for r in refs]
 
 
@@ -419,8 +418,7 @@ def scan_prompts(spec: PromptSpec) -> tuple[PromptIndex, Rejects]:
     was rejected; nothing raised for bad rows. Memory: a PromptRef a conversation (JSONL sources)."""
     rejects = Rejects(spec.source)
     found: list[tuple[int, str, tuple[int, int] | None]] = []
-    kept: dict[int, tuple] = {}
-    requests: set[int] = set()
+    kept: dict[int, tuple[tuple, bool]] = {}
     chars = generations = 0
     for i, (obj, where, span) in enumerate(_rows(spec.source, spec, rejects)):
         if spec.limit is not None and i >= spec.limit:
@@ -433,14 +431,12 @@ def scan_prompts(spec: PromptSpec) -> tuple[PromptIndex, Rejects]:
         except _Bad as e:
             rejects.add(where, e.reason, str(e))
             continue
-        if request:
-            requests.add(i)
         sha = content_hash(msgs)
         first = _first_turns(msgs, spec.max_turns)
         chars += sum(len(str(m["content"])) for m in first)
         generations += sum(m["role"] == "user" for m in first)
         if span is None:
-            kept[i] = tuple(first)
+            kept[i] = tuple(first), request
         found.append((i, sha, span))
     # Validation split: a count takes the conversations with the smallest hashes;
     # a fraction takes each conversation by the hash of its content alone, so a
@@ -453,7 +449,7 @@ def scan_prompts(spec: PromptSpec) -> tuple[PromptIndex, Rejects]:
     else:
         val = {c[0] for c in found if _is_validation(c[1], spec.seed, spec.validation)}
     refs = [PromptRef(i, sha, "validation" if i in val else "train", *(span or (-1, 0))) for i, sha, span in found]
-    return PromptIndex(spec, refs, chars, generations, kept, requests), rejects
+    return PromptIndex(spec, refs, chars, generations, kept), rejects
 
 
 def read_prompts(spec: PromptSpec) -> tuple[list[Conversation], Rejects]:
