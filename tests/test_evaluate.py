@@ -239,7 +239,7 @@ def test_vllm_backend_reads_spec_decode_counters(trained, tiny_kimi, tmp_path):
     base = fake.start()
     try:
         r = recipe.model_copy(update={"evaluate": recipe.evaluate.model_copy(update={
-            "backend": "vllm", "num_speculative_tokens": 3, "vllm": recipe.evaluate.vllm.model_copy(update={
+            "backend": "vllm", "num_speculative_tokens": [3], "vllm": recipe.evaluate.vllm.model_copy(update={
                 "endpoint": base, "health_timeout_s": 10})})})
         res = evaluate_vllm(r, draft, eval_prompts(r, None))
     finally:

@@ -85,13 +85,18 @@ def test_report_records_are_documented_field_by_field():
         CompareArm,
         CompareReport,
         EvalReport,
+        LevelChoice,
+        PositionBucket,
         PromptSetResult,
+        ServingAdvice,
+        ServingRange,
         SpeedLevel,
         SpeedTable,
         TimedPass,
     )
 
-    for section, records in {"eval": [EvalReport, PromptSetResult, SpeedTable, SpeedLevel, TimedPass],
+    for section, records in {"eval": [EvalReport, PromptSetResult, SpeedTable, SpeedLevel, TimedPass, PositionBucket,
+                                      ServingAdvice, LevelChoice, ServingRange],
                              "variants and compare": [CompareReport, CompareArm, ArmSetResult]}.items():
         spans = re.findall(r"`([^`]+)`", _section(section))  # `field`, or `{field, other: {...}}` over lines
         named = {word for span in spans for word in re.findall(r"[a-z_][a-z_0-9]*", span)}

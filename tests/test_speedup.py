@@ -66,24 +66,37 @@ def test_timed_pass_counts_streamed_tokens_and_first_chunks(tiny_kimi, tiny_reci
     assert 0 < t["ttft_s_p50"] <= t["ttft_s_max"] <= t["seconds"] and t["ttft_s_mean"] <= t["ttft_s_max"]
 
 
+def _surface(cells: dict[tuple[int, int], float], tau: float | None = None) -> dict:
+    """A speed table of (k, concurrency) -> speedup, every pass 4 requests of 64 tokens in 2 s."""
+    def side(t):
+        return {"requests": 4, "output_tokens": 64, "seconds": 2.0, "output_tokens_per_s": 32.0,
+                "ttft_s_mean": 0.1, "ttft_s_p50": 0.1, "ttft_s_max": 0.2, "acceptance_length": t}
+
+    surface = [{"k": k, "concurrency": c, "requests": 4, "with_draft": side(tau), "without_draft": side(None),
+                "speedup": sp} for (k, c), sp in sorted(cells.items())]
+    top = max(k for k, _c in cells)
+    return {"max_tokens": 16, "levels": [x for x in surface if x["k"] == top], "surface": surface}
+
+
 def test_report_flags_a_speedup_no_draft_can_give():
     """Each verifier forward yields τ tokens on average and costs at least a plain decode step, so a
     speedup above τ is the machine's load changing between the two servers' passes: the report says so."""
     from eagle_jobs.report import _speedup_png, _speedup_table
 
-    def level(c, speedup):
-        side = {"requests": 4, "output_tokens": 64, "seconds": 2.0, "output_tokens_per_s": 32.0,
-                "ttft_s_mean": 0.1, "ttft_s_p50": 0.1, "ttft_s_max": 0.2}
-        return {"concurrency": c, "requests": 4, "with_draft": side, "without_draft": side, "speedup": speedup}
-
-    report = {"speedup_note": "how", "speedup_wall_s": 60.0, "min_speedup": None, "prompt_sets": {
-        "a": {"acceptance_length": 1.5, "speedup": {"max_tokens": 16, "levels": [level(1, 1.2), level(8, 0.9)]}},
-        "b": {"acceptance_length": 1.1, "speedup": {"max_tokens": 16, "levels": [level(1, 1.3), level(8, 0.8)]}}}}
+    report = {"speedup_note": "how", "speedup_wall_s": 60.0, "min_speedup": None, "num_speculative_tokens": 3,
+              "prompt_sets": {
+                  "a": {"acceptance_length": 1.5, "speedup": _surface({(1, 1): 1.1, (3, 1): 1.2, (1, 8): 0.9,
+                                                                     (3, 8): 0.9})},
+                  "b": {"acceptance_length": 1.1, "speedup": _surface({(1, 1): 1.0, (3, 1): 1.3, (1, 8): 0.8,
+                                                                     (3, 8): 0.8})}}}
     md = "\n".join(_speedup_table(report))
-    assert "| a | 1 | 4 | 32.0 | 32.0 | **1.20x** |" in md
-    assert "above the set's τ (b at concurrency 1) is more than speculation can give" in md
+    assert "| a | 1 | 1 | 4 | - | 32.0 | 32.0 | **1.10x** |" in md and "| a | 3 | 8 | 4 | - |" in md
+    assert "above its τ (b at k 3, concurrency 1) is more than speculation can give" in md
     report["prompt_sets"]["b"]["acceptance_length"] = 1.4
     assert "more than speculation can give" not in "\n".join(_speedup_table(report))
+    # a pass's own τ, where it was measured, is the bound for its cell
+    report["prompt_sets"]["b"]["speedup"] = _surface({(3, 1): 1.3, (3, 8): 0.8}, tau=1.2)
+    assert "above its τ (b at k 3, concurrency 1)" in "\n".join(_speedup_table(report))
     assert _speedup_png(report)[:8] == b"\x89PNG\r\n\x1a\n"
     assert _speedup_png({"prompt_sets": {"a": {"speedup": None}}}) is None
 
@@ -92,7 +105,8 @@ def test_report_flags_a_speedup_no_draft_can_give():
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory):
     """SmolLM2 and a draft trained on its own answers (transformers capture and extract: no server
-    needed there), evaluated on the vllm backend: three servers, each started by the stage."""
+    needed there), evaluated on the vllm backend: four servers, each started by the stage (the draft at
+    k 3 and at k 1, the untrained draft, none)."""
     from eagle_jobs.capture import run_capture
     from eagle_jobs.evaluate import run_evaluate
     from eagle_jobs.extract import run_extract
@@ -108,8 +122,9 @@ def evaluated(tmp_path_factory):
         "sampling": {"temperature": 0.0, "max_new_tokens": 24},
         "limits": {"max_prompt_tokens": 200, "max_seq_len": 256}, "aux_layer_ids": [2, 15, 27],
         "draft": {"draft_vocab_size": 1024}, "train": {"epochs": 2, "lr": 1e-3, "total_seq_len": 512, "ttt_steps": 3},
-        "evaluate": {"backend": "vllm", "num_speculative_tokens": 3, "max_new_tokens": 16, "num_prompts": 3,
+        "evaluate": {"backend": "vllm", "num_speculative_tokens": [1, 3], "max_new_tokens": 16, "num_prompts": 3,
                      "prompt_sets": {"other": str(held_out)}, "concurrency_levels": [1, 4], "speedup_requests": 2,
+                     "long_output": {"num_prompts": 2, "max_new_tokens": 48}, "position_bucket_tokens": 16,
                      "vllm": server},
         "store": {"uri": f"file://{root}/store", "run_id": "r"},
     })
@@ -125,15 +140,20 @@ def evaluated(tmp_path_factory):
 @pytest.mark.train
 @needs_vllm
 def test_report_holds_the_speedup_per_set_and_concurrency(evaluated):
-    _recipe, st, returned = evaluated
+    from eagle_jobs.deploy import advise
+
+    recipe, st, returned = evaluated
     report = json.loads(st.get("r/eval/data/report.json"))
     assert report["speedup"] == report["prompt_sets"]["validation"]["speedup"] == returned["speedup"]
-    assert list(report["prompt_sets"]) == ["validation", "other"] and report["concurrency_levels"] == [1, 4]
+    assert list(report["prompt_sets"]) == ["validation", "other", "long-output"]
+    assert report["concurrency_levels"] == [1, 4] and report["speed_ks"] == [1, 3]
     timed = 0.0
-    for name, s in report["prompt_sets"].items():
-        sp = s["speedup"]
-        assert sp["max_tokens"] == 16 and [lv["concurrency"] for lv in sp["levels"]] == [1, 4], name
-        for lv, requests in zip(sp["levels"], (2, 4)):  # max(speedup_requests, level)
+    for name in ("validation", "other"):
+        sp = report["prompt_sets"][name]["speedup"]
+        assert sp["max_tokens"] == 16 and [(lv["k"], lv["concurrency"]) for lv in sp["surface"]] == \
+            [(1, 1), (1, 4), (3, 1), (3, 4)], name
+        assert sp["levels"] == sp["surface"][2:]  # at k 3, the k τ is measured at
+        for lv, requests in zip(sp["surface"], (2, 4, 2, 4)):  # max(speedup_requests, level)
             assert lv["requests"] == requests
             for side in ("with_draft", "without_draft"):
                 t = lv[side]
@@ -141,17 +161,32 @@ def test_report_holds_the_speedup_per_set_and_concurrency(evaluated):
                 assert t["seconds"] > 0 and t["output_tokens_per_s"] == pytest.approx(t["output_tokens"] / t["seconds"])
                 assert 0 < t["ttft_s_p50"] <= t["ttft_s_max"] <= t["seconds"]
                 timed += t["seconds"]
+            # τ over the timed requests, from the counters around the pass: at most k + 1
+            assert 1.0 <= lv["with_draft"]["acceptance_length"] <= lv["k"] + 1
+            assert lv["without_draft"]["acceptance_length"] is None
             # greedy fp32: speculative decoding answers with the verifier's own tokens, so both sides
             # generate the same number: the ratio is one of rates over the same work
             assert lv["with_draft"]["output_tokens"] == lv["without_draft"]["output_tokens"]
             assert lv["speedup"] == pytest.approx(lv["with_draft"]["output_tokens_per_s"]
                                                   / lv["without_draft"]["output_tokens_per_s"])
             assert lv["speedup"] > 0
-    # the stated wall time covers every timed pass plus the warm-ups and the draft-less server's start
+    # the stated wall time covers every timed pass plus the warm-ups and the other servers' starts
     assert report["speedup_wall_s"] > timed
+    # the long-output set: τ by position only, past the draft's training length (24 tokens)
+    long = report["prompt_sets"]["long-output"]
+    assert long["speedup"] is None and long["baseline_acceptance_length"] is None and long["max_new_tokens"] == 48
+    assert long["by_position"][-1]["end"] > report["trained_answer_tokens"] == 24
+    for name, x in report["prompt_sets"].items():  # every verify step of the set, in one bucket each
+        assert sum(b["verify_steps"] for b in x["by_position"]) == x["verifier_forwards"], name
+    # the recommendation is the surface's, and the report shows it with its serve line
+    assert report["serving"] == json.loads(json.dumps(advise(recipe, {n: x["speedup"] for n, x in
+                                                                     report["prompt_sets"].items()})))
     md = st.get("r/eval/data/report.md").decode()
-    assert "## Speedup" in md and "| other | 4 | 4 |" in md and "![speedup against concurrency](speedup.png)" in md
-    assert st.get("r/eval/data/speedup.png")[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "## Speedup" in md and "| other | 3 | 4 | 4 |" in md and "![speedup against concurrency](speedup.png)" in md
+    assert "## τ by output position" in md and "| long-output | 48 | 32-47 |" in md
+    assert "## Serve this draft" in md and "DRAFT_DIR" in md
+    for png in ("speedup.png", "position.png"):
+        assert st.get(f"r/eval/data/{png}")[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.vllm
@@ -161,12 +196,15 @@ def test_promote_holds_the_measured_speedup_to_the_threshold(evaluated, tmp_path
     from eagle_jobs.promote import promote, speedup_at_1
 
     _recipe, st, report = evaluated
-    measured = min(speedup_at_1(s) for s in report["prompt_sets"].values())
+    timed = {n: s for n, s in report["prompt_sets"].items() if n != "long-output"}  # the only set not timed
+    assert speedup_at_1(report["prompt_sets"]["long-output"]) is None
+    measured = min(speedup_at_1(s) for s in timed.values())
     with pytest.raises(EagleJobsError, match=r"speedup\[\w+\] .* at concurrency 1 < min_speedup") as e:
         promote(st, "r", f"file://{tmp_path}/drafts", min_speedup=measured * 1.01)
     assert e.value.code == ExitCode.NOT_BETTER and not Store.open(f"file://{tmp_path}/drafts").exists("CURRENT.json")
     lineage = promote(st, "r", f"file://{tmp_path}/drafts", min_speedup=measured * 0.99)
     assert lineage["speedup_at_concurrency_1"] == {n: speedup_at_1(s) for n, s in report["prompt_sets"].items()}
+    assert lineage["speedup_at_concurrency_1"]["long-output"] is None
 
 
 @pytest.mark.train
@@ -201,3 +239,78 @@ def test_promote_without_a_measured_speedup_is_refused_only_under_a_threshold(ti
     with pytest.raises(EagleJobsError, match=r"speedup\[validation\] 0.80x at concurrency 1 < min_speedup 1.00x"):
         promote(st, "t", f"file://{tmp_path}/drafts")
     assert promote(st, "t", f"file://{tmp_path}/drafts", min_speedup=0.75)["run_id"] == "t"
+
+
+def _serve(line: str, port: int) -> tuple[object, str]:
+    """Run a serve line as a user's shell would (its environment assignments first), until /health answers."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.Popen(line, shell=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 600
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the serve line exited with {proc.returncode}: {line}"
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise AssertionError(f"the serve line did not come up in 600 s: {line}")
+
+
+def _drafts_for_one_request(base: str) -> float:
+    import httpx
+
+    from eagle_jobs.evaluate import spec_counters
+
+    model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+    before = spec_counters(base).get("num_drafts", 0.0)
+    r = httpx.post(f"{base}/v1/chat/completions", timeout=300, json={
+        "model": model, "messages": [{"role": "user", "content": "Tell me about the moon."}],
+        "max_tokens": 16, "temperature": 0.0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 1
+    return spec_counters(base).get("num_drafts", 0.0) - before
+
+
+@pytest.mark.vllm
+@pytest.mark.train
+@needs_vllm
+def test_promote_stores_the_recommended_serve_line_and_it_serves(evaluated, tmp_path):
+    """The line promote stores with the draft, run as it is: vLLM serves the promoted draft with the
+    recommended k at one request in flight (no draft where none pays). Then the same with a schedule that
+    turns the draft off from two requests on, as the report recommends where speculation stops paying."""
+    import os
+    import signal
+
+    from eagle_jobs.deploy import advise, serve_line, with_draft
+    from eagle_jobs.promote import promote
+
+    recipe, st, report = evaluated
+    promote(st, "r", f"file://{tmp_path}/drafts")
+    current = json.loads((tmp_path / "drafts" / "CURRENT.json").read_text())
+    serve = current["serve"]
+    assert serve == json.loads((tmp_path / "drafts" / "versions" / "r" / "serve.json").read_text())
+    assert serve["draft"] == str(tmp_path / "drafts" / "versions" / "r") and serve["download"] is None
+    spec = serve["speculative_config"]
+    assert spec is None or spec["model"] == serve["draft"]
+    cases = [(serve["line"], serve["ranges"][0]["k"])]
+    # the schedule: k 1 for one request, no draft from 2 on (vLLM's dynamic speculative decoding)
+    schedule = with_draft(advise(recipe, {"a": _surface({(1, 1): 1.2, (1, 4): 0.9})}), serve["draft"])
+    assert schedule["speculative_config"]["num_speculative_tokens_per_batch_size"][1][2] == 0
+    cases.append((serve_line(schedule), 1))
+    port = recipe.evaluate.vllm.port  # the line's own: evaluate's servers are gone
+    for line, k_at_one in cases:
+        proc, base = _serve(line, port)
+        try:
+            drafts = _drafts_for_one_request(base)
+            assert (drafts > 0) == (k_at_one > 0), (line, drafts)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(120)

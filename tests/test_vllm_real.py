@@ -213,6 +213,29 @@ def test_eagle3_tau_from_metrics_equals_the_transformers_loop(smollm2_chain, eag
     assert real["engine"]["key"] != ours["engine"]["key"]  # promote compares neither with the other
 
 
+def test_tau_by_output_position_from_vllm_equals_the_transformers_loop(smollm2_chain, eagle3_server):
+    """Longer answers than the draft was trained on (24 tokens): vLLM's per-request verify steps
+    (--per-request-spec-decode-metrics detailed) bucketed by output position equal the loop's, step for step."""
+    from eagle_jobs.evaluate import LONG_OUTPUT_SET, eval_prompts, evaluate_transformers, evaluate_vllm_sets
+    from eagle_jobs.recipe import LongOutputSpec
+
+    recipe, _st, _root = smollm2_chain
+    base, draft = eagle3_server
+    r = recipe.model_copy(update={"evaluate": recipe.evaluate.model_copy(update={
+        "vllm": recipe.evaluate.vllm.model_copy(update={"endpoint": base}), "position_bucket_tokens": 32,
+        "long_output": LongOutputSpec(source=recipe.prompts.source, num_prompts=2, max_new_tokens=160)})})
+    msgs = eval_prompts(r, Path(recipe.prompts.source))[:2]
+    real = evaluate_vllm_sets(r, draft, {LONG_OUTPUT_SET: msgs})[LONG_OUTPUT_SET]
+    ours = evaluate_transformers(r, draft, msgs, untrained=False, max_new=160)
+    assert real["tokens_generated"] == ours["tokens_generated"] and ours["by_position"][-1]["start"] >= 64
+    assert [(b["start"], b["verify_steps"]) for b in real["by_position"]] == \
+        [(b["start"], b["verify_steps"]) for b in ours["by_position"]]
+    assert [b["acceptance_length"] for b in real["by_position"]] == \
+        pytest.approx([b["acceptance_length"] for b in ours["by_position"]], abs=1e-9)
+    # the per-request steps are the server's verify steps: as many as its /metrics counted
+    assert sum(b["verify_steps"] for b in real["by_position"]) == real["rounds"]
+
+
 def test_capture_against_an_external_endpoint(smollm2_chain, eagle3_server, tmp_path):
     """An endpoint the stage did not start (the pod's sidecar): same rows, speculative decoding or not."""
     recipe, st, _root = smollm2_chain

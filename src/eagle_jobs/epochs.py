@@ -89,7 +89,7 @@ def held_out_prompts(recipe: Recipe, n: int) -> tuple[list[list[dict]], int | No
     every epoch's server skips and counts them itself (None here)."""
     from eagle_jobs.evaluate import eval_sets, within_limits
 
-    only_held_out = recipe.evaluate.model_copy(update={"prompt_sets": {}, "num_prompts": n})
+    only_held_out = recipe.evaluate.model_copy(update={"prompt_sets": {}, "num_prompts": n, "long_output": None})
     r = recipe.model_copy(update={"evaluate": only_held_out})
     try:
         sets = eval_sets(r)
@@ -111,7 +111,7 @@ def measurement_key(recipe: Recipe, ckpt: dict, prompts_sha: str) -> str:
     served = {f: info["sha256"] for f, info in ckpt["files"].items()
               if f.split("/", 1)[1] in ("model.safetensors", "config.json")}
     what = {"draft": served, "prompts": prompts_sha, "recipe": recipe.digest(("verifier", "chat", "limits")),
-            "evaluate": [ev.backend, ev.num_speculative_tokens, ev.max_new_tokens, ev.concurrency, ev.vllm.serve_args]}
+            "evaluate": [ev.backend, ev.k, ev.max_new_tokens, ev.concurrency, ev.vllm.serve_args]}
     return content_hash(what, 12)
 
 
@@ -222,7 +222,7 @@ def rank_epochs(recipe: Recipe, store: Store, run_id: str, variant: str | None =
     best_est = max(sorted(estimates, key=int), key=lambda e: estimates[e]) if estimates else None
     report = {
         "run_id": run_id, "variant": variant, "backend": recipe.evaluate.backend,
-        "num_speculative_tokens": recipe.evaluate.num_speculative_tokens, "estimate_depth": k,
+        "num_speculative_tokens": recipe.evaluate.k, "estimate_depth": k,
         "max_new_tokens": recipe.evaluate.max_new_tokens,
         "num_prompts": rows[0].get("num_prompts", len(prompts)) if skipped is None else len(prompts),
         "skipped_too_long": rows[0].get("skipped_too_long") if skipped is None else skipped,

@@ -29,12 +29,21 @@ from typing import Protocol, cast
 import torch
 
 from eagle_jobs.committed import download_final, extraction_info
+from eagle_jobs.deploy import advise
 from eagle_jobs.errors import BadInput, Unavailable
 from eagle_jobs.layout import StageName, content_hash, eval_dir, train_dir
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.prompts import load_prompt_index, load_prompts
-from eagle_jobs.recipe import PromptSpec, Recipe
-from eagle_jobs.records import EngineRecord, EvalReport, PromptSetResult, SpeedLevel, SpeedTable, TimedPass
+from eagle_jobs.recipe import LONG_OUTPUT_SET, PromptSpec, Recipe
+from eagle_jobs.records import (
+    EngineRecord,
+    EvalReport,
+    PositionBucket,
+    PromptSetResult,
+    SpeedLevel,
+    SpeedTable,
+    TimedPass,
+)
 from eagle_jobs.serve_plans import evaluate_plan
 from eagle_jobs.store import Stage, Store
 
@@ -48,12 +57,14 @@ class Acceptance:
     accepted: int = 0
     tokens: int = 0
     per_pos: list[int] = field(default_factory=list)
+    steps: list[tuple[int, int]] = field(default_factory=list)  # (output position the step starts at, accepted)
 
-    def add(self, a: int) -> None:
+    def add(self, a: int, position: int) -> None:
         if not self.per_pos:
             self.per_pos = [0] * self.k
         self.rounds += 1
         self.accepted += a
+        self.steps.append((position, a))
         for i in range(a):
             self.per_pos[i] += 1
 
@@ -63,6 +74,29 @@ class Acceptance:
 
     def per_position(self) -> list[float]:
         return [c / self.rounds if self.rounds else 0.0 for c in (self.per_pos or [0] * self.k)]
+
+
+def steps_of_request(per_step_accepted: list[int]) -> list[tuple[int, int]]:
+    """A served request's verify steps as (output position, accepted): the first output token comes from
+    prefill, and a step that accepts a drafts adds a + 1 tokens (as speculative_generate counts them)."""
+    out, position = [], 1
+    for a in per_step_accepted:
+        out.append((position, a))
+        position += a + 1
+    return out
+
+
+def by_position(steps: list[tuple[int, int]], bucket: int) -> list[PositionBucket]:
+    """τ of the verify steps that start in each bucket of output positions, up to the last bucket reached."""
+    if not steps:
+        return []
+    sums: dict[int, list[int]] = {}
+    for position, a in steps:
+        s = sums.setdefault(position // bucket, [0, 0])
+        s[0] += 1
+        s[1] += a
+    return [{"start": b * bucket, "end": (b + 1) * bucket, "verify_steps": sums[b][0],
+             "acceptance_length": 1 + sums[b][1] / sums[b][0]} for b in sorted(sums)]
 
 
 # -- the draft at test time ---------------------------------------------------------------
@@ -184,7 +218,7 @@ def speculative_generate(verifier, proposer: Proposer, aux_ids: list[int], promp
         a = 0
         while a < k and pred[a] == drafts[a]:
             a += 1
-        acc.add(a)
+        acc.add(a, len(gen))
         new = drafts[:a] + [pred[a]]
         if a < k:  # drop the rejected drafts' keys
             cache.crop(-(k - a))
@@ -212,10 +246,46 @@ def _first_turns(convs) -> list[list[dict]]:
     return out
 
 
+def _answer_chars(conv) -> int:
+    """The length of a conversation's first recorded answer (0 where it has none)."""
+    first_user = next((i for i, m in enumerate(conv.messages) if m["role"] == "user"), len(conv.messages))
+    return next((len(str(m.get("content") or "")) for m in conv.messages[first_user:] if m["role"] == "assistant"), 0)
+
+
+def longest_answers(index, n: int, chunk: int = 512) -> list:
+    """The n held-out conversations with the longest recorded first answers, read a chunk at a time (a
+    held-out split of a million conversations is never in memory at once)."""
+    val = [r for r in index.refs if r.split == "validation"]
+    best: list = []
+    for i in range(0, len(val), chunk):
+        best = sorted([*best, *index.load(val[i:i + chunk])], key=_answer_chars, reverse=True)[:n]
+    return best
+
+
+def long_output_set(recipe: Recipe, index) -> list[list[dict]]:
+    spec = recipe.evaluate.long_output
+    assert spec is not None
+    if spec.source is None:
+        convs = longest_answers(index, spec.num_prompts)
+        if not convs:
+            raise BadInput("evaluate.long_output: no source and no held-out split to take long answers from: "
+                           "set evaluate.long_output.source or prompts.validation")
+    else:
+        convs = load_prompts(PromptSpec(source=spec.source, validation=0,
+                                        max_rejected_fraction=recipe.prompts.max_rejected_fraction))
+    return _first_turns(convs)[:spec.num_prompts]
+
+
+def max_tokens_of(recipe: Recipe, name: str) -> int:
+    """A set's max_new_tokens: evaluate.long_output's for the long-output set, evaluate's for the rest."""
+    lo = recipe.evaluate.long_output
+    return lo.max_new_tokens if name == LONG_OUTPUT_SET and lo is not None else recipe.evaluate.max_new_tokens
+
+
 def eval_sets(recipe: Recipe, prompts: Path | None = None) -> dict[str, list[list[dict]]]:
-    """The named prompt sets τ is measured on, each on its own: the recipe's held-out validation split
-    and every evaluate.prompt_sets source (public benchmarks, held-out files); or only --prompts.
-    All are read and checked here, before any model loads."""
+    """The named prompt sets τ is measured on, each on its own: the recipe's held-out validation split,
+    every evaluate.prompt_sets source (public benchmarks, held-out files) and the long-output set; or
+    only --prompts. All are read and checked here, before any model loads."""
     n = recipe.evaluate.num_prompts
     if prompts is not None:
         sets = {"prompts": _first_turns(load_prompts(PromptSpec(source=str(prompts), validation=0)))}
@@ -231,6 +301,10 @@ def eval_sets(recipe: Recipe, prompts: Path | None = None) -> dict[str, list[lis
         if not sets:
             raise BadInput("evaluate: no prompts to measure on: the recipe's prompt set has no validation split "
                            "and evaluate.prompt_sets is empty; set prompts.validation, add a set, or pass --prompts")
+        sets = {name: msgs[:n] if n else msgs for name, msgs in sets.items()}
+        if recipe.evaluate.long_output is not None:
+            sets[LONG_OUTPUT_SET] = long_output_set(recipe, index)
+        return sets
     return {name: msgs[:n] if n else msgs for name, msgs in sets.items()}
 
 
@@ -301,12 +375,14 @@ def check_draft_matches(recipe: Recipe, draft_cfg: dict, extraction_layers: list
 
 
 # -- backends ----------------------------------------------------------------------------------
-def evaluate_transformers(recipe: Recipe, draft_dir: Path, prompts: list[list[dict]], untrained: bool) -> dict:
+def evaluate_transformers(recipe: Recipe, draft_dir: Path, prompts: list[list[dict]], untrained: bool,
+                          max_new: int | None = None) -> dict:
+    """τ of a draft in this process's loop at evaluate.k, max_new (default evaluate.max_new_tokens) a prompt."""
     from eagle_jobs.verifier import load_verifier
 
     v = load_verifier(recipe.verifier)
     proposer = DraftProposer(load_draft(draft_dir, v.path, untrained=untrained, seed=recipe.train.seed))
-    k = recipe.evaluate.num_speculative_tokens
+    k = recipe.evaluate.k
     acc = Acceptance(k)
     eos_id = v.model.generation_config.eos_token_id
     eos = set(eos_id if isinstance(eos_id, list) else [eos_id or v.tokenizer.eos_token_id])
@@ -318,11 +394,12 @@ def evaluate_transformers(recipe: Recipe, draft_dir: Path, prompts: list[list[di
             prompt = prompt_ids(v.tokenizer, msgs, kw)
             before = acc.tokens
             gen = speculative_generate(v.model, proposer, recipe.aux_layer_ids, prompt, k,
-                                       recipe.evaluate.max_new_tokens, eos, acc)
+                                       max_new or recipe.evaluate.max_new_tokens, eos, acc)
             outputs.append(gen)
             advance(1, acc.tokens - before)
     return {"acceptance_length": acc.tau, "per_position_acceptance": acc.per_position(), "rounds": acc.rounds,
             "tokens_generated": sum(len(g) for g in outputs), "outputs": outputs,
+            "by_position": by_position(acc.steps, recipe.evaluate.position_bucket_tokens),
             "engine": engine_record(recipe, attention=getattr(v.model.config, "_attn_implementation", None))}
 
 
@@ -359,7 +436,7 @@ def engine_record(recipe: Recipe, base: str | None = None, log_text: str | None 
                "version": f"transformers {transformers.__version__}, torch {torch.__version__}",
                "model_runner": "eagle-jobs greedy chain loop (evaluate.speculative_generate)",
                "attention_backend": attention or "sdpa", "spec_method": "eagle3",
-               "spec_settings": {"num_speculative_tokens": ev.num_speculative_tokens,
+               "spec_settings": {"num_speculative_tokens": ev.k,
                                  "acceptance": "a draft token counts while it equals the verifier's argmax"},
                "sampling": sampling}
     else:
@@ -372,7 +449,7 @@ def engine_record(recipe: Recipe, base: str | None = None, log_text: str | None 
                "attention_backend": (NOT_SEEN if log_text is None
                                      else found.group(1) if found else "the platform's default (not logged)"),
                "spec_method": "eagle3",
-               "spec_settings": {"num_speculative_tokens": ev.num_speculative_tokens, **VLLM_SPEC_DEFAULTS},
+               "spec_settings": {"num_speculative_tokens": ev.k, **VLLM_SPEC_DEFAULTS},
                "sampling": sampling}
     return cast(EngineRecord, {**rec, "key": content_hash(rec, 16)})
 
@@ -409,10 +486,11 @@ def evaluate_vllm(recipe: Recipe, draft_dir: Path, prompts: list[list[dict]]) ->
     return evaluate_vllm_sets(recipe, draft_dir, {"prompts": prompts})["prompts"]
 
 
-def chat_body(recipe: Recipe, model: str, msgs: list[dict]) -> dict:
-    """One evaluation request: greedy, the recipe's chat template arguments, max_new_tokens."""
+def chat_body(recipe: Recipe, model: str, msgs: list[dict], max_tokens: int | None = None) -> dict:
+    """One evaluation request: greedy, the recipe's chat template arguments, max_tokens (default
+    evaluate.max_new_tokens)."""
     kw = recipe.chat.template_kwargs()
-    return {"model": model, "messages": msgs, "max_tokens": recipe.evaluate.max_new_tokens,
+    return {"model": model, "messages": msgs, "max_tokens": max_tokens or recipe.evaluate.max_new_tokens,
             "temperature": 0.0, **({"chat_template_kwargs": kw} if kw else {})}
 
 
@@ -422,54 +500,82 @@ def served_model(base: str) -> str:
     return httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
 
 
-def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict]]],
-                       timed: bool = False) -> dict[str, dict]:
-    """One server for every set; each set's τ from the /metrics counters read before and after it.
-    timed: first time each set at each concurrency level (measure_speed), as out[set]["speed"]."""
+def spec_counters(base: str) -> dict:
     import httpx
 
+    return parse_spec_metrics(httpx.get(f"{base}/metrics", timeout=30).text)
+
+
+def request_steps(body: dict) -> list[tuple[int, int]] | None:
+    """A chat response's verify steps (--per-request-spec-decode-metrics detailed), or None where the
+    server does not give them. vLLM leaves per_step_accepted out when a request had no verify step."""
+    spec = (body.get("metrics") or {}).get("speculative_decoding")
+    if spec is None or ("per_step_accepted" not in spec and spec.get("num_spec_steps")):
+        return None
+    return steps_of_request(spec.get("per_step_accepted") or [])
+
+
+def tau_pass(recipe: Recipe, base: str, model: str, name: str, prompts: list[list[dict]]) -> dict:
+    """One set's τ on a draft's server: the /metrics counters read before and after it (server-wide:
+    every request of the set ends before `after` is read), and its τ by output position."""
+    import httpx
+
+    k, max_tokens = recipe.evaluate.k, max_tokens_of(recipe, name)
+
+    def complete(msgs, c):
+        r = c.post(f"{base}/v1/chat/completions", json=chat_body(recipe, model, msgs, max_tokens))
+        r.raise_for_status()
+        body = r.json()
+        return body["usage"]["completion_tokens"], request_steps(body)
+
+    before, tokens = spec_counters(base), 0
+    steps: list[tuple[int, int]] | None = []
+    with httpx.Client(timeout=recipe.evaluate.vllm.request_timeout_s) as c, \
+            ThreadPoolExecutor(recipe.evaluate.concurrency) as pool, \
+            stage_progress(f"evaluate (vllm): {name}", len(prompts), "prompts") as advance:
+        for fut in as_completed([pool.submit(complete, msgs, c) for msgs in prompts]):
+            n, request = fut.result()
+            tokens += n
+            steps = None if steps is None or request is None else steps + request
+            advance(1, n)
+    after = spec_counters(base)
+    drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
+    accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
+    per_pos = [(after["per_pos"].get(i, 0) - before["per_pos"].get(i, 0)) / drafts if drafts else 0.0
+               for i in range(k)]
+    return {"acceptance_length": 1 + accepted / drafts if drafts else 1.0, "per_position_acceptance": per_pos,
+            "rounds": int(drafts), "tokens_generated": tokens, "outputs": [],
+            "by_position": None if steps is None else by_position(steps, recipe.evaluate.position_bucket_tokens)}
+
+
+def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict]]],
+                       timed: bool = False, k: int | None = None, tau: bool = True) -> dict[str, dict]:
+    """One server for every set, the draft at k (default evaluate.k). tau: each set's τ (tau_pass).
+    timed: first time each set but the long-output one at each concurrency level (measure_speed), as
+    out[set]["speed"]."""
     from eagle_jobs.vllm_server import server_log, vllm_endpoint
 
-    k = recipe.evaluate.num_speculative_tokens
-    out: dict[str, dict] = {}
+    k = k or recipe.evaluate.k
     log = server_log(None, f"port-{recipe.evaluate.vllm.port}")  # vllm_endpoint's own choice, appended to
     ended = log.stat().st_size if log.is_file() else 0  # a server started here writes after this
-    with vllm_endpoint(evaluate_plan(recipe, draft_dir), log) as base:
+    with vllm_endpoint(evaluate_plan(recipe, draft_dir, k), log) as base:
         model = served_model(base)
         engine = engine_record(recipe, base, _log_since(log, ended) if own_servers(recipe) else None)
         sets, too_long = within_limits(recipe, sets, served_token_count(recipe, base, model))
         # timed before the τ pass, so that neither this server nor the one without a draft has seen the
         # timed prompts before (vLLM's prefix cache would shorten their prefill on one side only)
         started = time.perf_counter()
-        speed = measure_speed(recipe, base, model, sets, "with the draft") if timed else {}
+        speed = measure_speed(recipe, base, model, timed_sets(sets), f"with the draft at k={k}", True) if timed else {}
         speed_wall_s = time.perf_counter() - started
+        return {name: {**(tau_pass(recipe, base, model, name, prompts) if tau else {}),
+                       "speed": speed.get(name), "speed_wall_s": speed_wall_s, "prompts": prompts,
+                       "skipped_too_long": too_long[name], "engine": engine}
+                for name, prompts in sets.items()}
 
-        def complete(msgs, c):
-            r = c.post(f"{base}/v1/chat/completions", json=chat_body(recipe, model, msgs))
-            r.raise_for_status()
-            return r.json()["usage"]["completion_tokens"]
 
-        for name, prompts in sets.items():
-            before = parse_spec_metrics(httpx.get(f"{base}/metrics", timeout=30).text)
-            tokens = 0
-            # the counters are server-wide: every request of this set ends before `after` is read
-            with httpx.Client(timeout=recipe.evaluate.vllm.request_timeout_s) as c, \
-                    ThreadPoolExecutor(recipe.evaluate.concurrency) as pool, \
-                    stage_progress(f"evaluate (vllm): {name}", len(prompts), "prompts") as advance:
-                for fut in as_completed([pool.submit(complete, msgs, c) for msgs in prompts]):
-                    n = fut.result()
-                    tokens += n
-                    advance(1, n)
-            after = parse_spec_metrics(httpx.get(f"{base}/metrics", timeout=30).text)
-            drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
-            accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
-            per_pos = [(after["per_pos"].get(i, 0) - before["per_pos"].get(i, 0)) / drafts if drafts else 0.0
-                       for i in range(k)]
-            out[name] = {"acceptance_length": 1 + accepted / drafts if drafts else 1.0,
-                         "per_position_acceptance": per_pos, "rounds": int(drafts), "tokens_generated": tokens,
-                         "outputs": [], "speed": speed.get(name), "speed_wall_s": speed_wall_s,
-                         "prompts": prompts, "skipped_too_long": too_long[name], "engine": engine}
-    return out
+def timed_sets(sets: dict[str, list[list[dict]]]) -> dict[str, list[list[dict]]]:
+    """The sets the speed pass times: all but the long-output set, whose answers are for τ by position."""
+    return {name: m for name, m in sets.items() if name != LONG_OUTPUT_SET}
 
 
 # -- speed: output tokens per second with the draft over without it -------------------------------
@@ -517,13 +623,14 @@ def timed_pass(recipe: Recipe, base: str, bodies: list[dict], concurrency: int) 
     tokens, ttft = sum(a[0] for a in answers), sorted(a[1] for a in answers)
     return TimedPass(requests=len(bodies), output_tokens=tokens, seconds=seconds,
                      output_tokens_per_s=tokens / seconds, ttft_s_mean=sum(ttft) / len(ttft),
-                     ttft_s_p50=statistics.median(ttft), ttft_s_max=ttft[-1])
+                     ttft_s_p50=statistics.median(ttft), ttft_s_max=ttft[-1], acceptance_length=None)
 
 
 def measure_speed(recipe: Recipe, base: str, model: str, sets: dict[str, list[list[dict]]],
-                  label: str) -> dict[str, dict[int, TimedPass]]:
+                  label: str, drafted: bool = False) -> dict[str, dict[int, TimedPass]]:
     """Every set at every evaluate.concurrency_levels, after a warm-up that is not counted. Each level
-    takes the set's next prompts (distinct while the set lasts), so no level finds its prompts cached."""
+    takes the set's next prompts (distinct while the set lasts), so no level finds its prompts cached.
+    drafted: each pass's τ too, from the /metrics counters around it."""
     ev = recipe.evaluate
     top = max(ev.concurrency_levels)
     timed_pass(recipe, base, [chat_body(recipe, model, WARM_UP)] * top, top)  # one-off first-request costs
@@ -534,7 +641,13 @@ def measure_speed(recipe: Recipe, base: str, model: str, sets: dict[str, list[li
             n = ev.speedup_requests_at(level)
             bodies = [chat_body(recipe, model, prompts[(offset + i) % len(prompts)]) for i in range(n)]
             offset += n
+            before = spec_counters(base) if drafted else None
             t = out[name][level] = timed_pass(recipe, base, bodies, level)
+            if before is not None:
+                after = spec_counters(base)
+                drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
+                t["acceptance_length"] = 1 + (after.get("num_accepted_tokens", 0)
+                                              - before.get("num_accepted_tokens", 0)) / drafts if drafts else 1.0
             console.print(f"  speed {label}: {name}, concurrency {level}: {n} requests, {t['output_tokens']} tokens "
                           f"in {t['seconds']:.1f} s = {t['output_tokens_per_s']:.1f} tokens/s, "
                           f"TTFT {t['ttft_s_mean']:.2f} s", soft_wrap=True, markup=False, highlight=False)
@@ -551,15 +664,16 @@ def speed_without_draft(recipe: Recipe, sets: dict[str, list[list[dict]]]) -> di
         return measure_speed(recipe, base, served_model(base), sets, "without a draft")
 
 
-def speedup_table(with_draft: dict[int, TimedPass] | None, without: dict[int, TimedPass] | None,
+def speedup_table(by_k: dict[int, dict[int, TimedPass]], without: dict[int, TimedPass] | None,
                   recipe: Recipe) -> SpeedTable | None:
-    """One set's speed per concurrency level: with and without the draft, and their ratio."""
-    if not with_draft or not without:
+    """One set's speed per draft length and concurrency level: with and without the draft, and their ratio."""
+    if not by_k or not without:
         return None
-    levels = [SpeedLevel(concurrency=lv, requests=w["requests"], with_draft=w, without_draft=without[lv],
-                         speedup=w["output_tokens_per_s"] / without[lv]["output_tokens_per_s"])
-              for lv, w in with_draft.items()]
-    return SpeedTable(max_tokens=recipe.evaluate.max_new_tokens, levels=levels)
+    surface = [SpeedLevel(k=k, concurrency=lv, requests=w["requests"], with_draft=w, without_draft=without[lv],
+                          speedup=w["output_tokens_per_s"] / without[lv]["output_tokens_per_s"])
+               for k in sorted(by_k) for lv, w in by_k[k].items()]
+    return SpeedTable(max_tokens=recipe.evaluate.max_new_tokens,
+                      levels=[c for c in surface if c["k"] == recipe.evaluate.k], surface=surface)
 
 
 def teacher_forced_estimate(metrics: list[dict], k: int, epoch: int | None = None) -> float | None:
@@ -597,7 +711,8 @@ def measure_draft(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dic
     timed (vLLM): the speed pass too (evaluate_vllm_sets)."""
     if recipe.evaluate.backend == "transformers":
         kept, too_long = within_limits(recipe, sets)
-        return kept, too_long, {name: evaluate_transformers(recipe, draft_dir, m, untrained=False)
+        return kept, too_long, {name: evaluate_transformers(recipe, draft_dir, m, untrained=False,
+                                                            max_new=max_tokens_of(recipe, name))
                                 for name, m in kept.items()}
     res = evaluate_vllm_sets(recipe, draft_dir, sets, timed=timed)
     return ({name: r["prompts"] for name, r in res.items()}, {name: r["skipped_too_long"] for name, r in res.items()},
@@ -607,11 +722,13 @@ def measure_draft(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dic
 def measure_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict]]], work: Path):
     """τ of the draft and of an untrained one per set, and the speedup per set where it can be measured:
     (prompts kept per set, prompts skipped as too long per set, draft's results, untrained draft's results,
-    {"sets": set -> speedup table, "note", "wall_s"})."""
+    {"sets": set -> speedup table, "note", "wall_s"}). The long-output set is for τ by position: no
+    untrained baseline and no speed pass there."""
     vllm, own = recipe.evaluate.backend == "vllm", own_servers(recipe)
     sets, too_long, res = measure_draft(recipe, draft_dir, sets, timed=vllm and own)
     if not vllm:
-        base = {name: evaluate_transformers(recipe, draft_dir, m, untrained=True) for name, m in sets.items()}
+        base = {name: evaluate_transformers(recipe, draft_dir, m, untrained=True)
+                for name, m in timed_sets(sets).items()}
         return sets, too_long, res, base, {
             "sets": {}, "wall_s": None, "note": "not measured: speed is a serving measure, taken on the vllm "
             "backend (the transformers loop runs one request at a time, unbatched)"}
@@ -626,12 +743,18 @@ def measure_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict
     untrained = work / "untrained-draft"
     load_draft(draft_dir, resolve_path(recipe.verifier, "embeddings"), untrained=True,
                seed=recipe.train.seed).to(torch.bfloat16).save_pretrained(untrained)
-    base = evaluate_vllm_sets(recipe, untrained, sets)
+    timed = timed_sets(sets)
+    base = evaluate_vllm_sets(recipe, untrained, timed)
     started = time.perf_counter()
-    plain = speed_without_draft(recipe, sets)
+    by_k = {recipe.evaluate.k: {name: res[name]["speed"] for name in timed}}
+    for k in recipe.evaluate.num_speculative_tokens:  # every other k: a server each, timed only
+        if k != recipe.evaluate.k:
+            by_k[k] = {name: r["speed"] for name, r in evaluate_vllm_sets(recipe, draft_dir, timed, True, k,
+                                                                          tau=False).items()}
+    plain = speed_without_draft(recipe, timed)
     wall = time.perf_counter() - started + next(iter(res.values()))["speed_wall_s"]
     return sets, too_long, res, base, {
-        "sets": {name: speedup_table(res[name]["speed"], plain[name], recipe) for name in sets},
+        "sets": {name: speedup_table({k: s[name] for k, s in by_k.items()}, plain[name], recipe) for name in timed},
         "note": SPEED_NOTE, "wall_s": wall}
 
 
@@ -642,6 +765,37 @@ def tau_on_this_engine(recipe: Recipe, draft_dir: Path, sets: dict[str, list[lis
     return next(iter(res.values()))["engine"], {
         name: {"acceptance_length": r["acceptance_length"], "prompts_sha256": content_hash(kept[name])}
         for name, r in res.items()}
+
+
+def set_source(recipe: Recipe, name: str, prompts: Path | None) -> str:
+    if prompts is not None:
+        return str(prompts)
+    if name == "validation":
+        return recipe.prompts.source
+    if name == LONG_OUTPUT_SET and recipe.evaluate.long_output is not None:
+        return recipe.evaluate.long_output.source or (f"the {recipe.evaluate.long_output.num_prompts} held-out "
+                                                      f"conversations of {recipe.prompts.source} with the longest "
+                                                      "recorded first answers")
+    return recipe.evaluate.prompt_sets[name]
+
+
+def set_results(recipe: Recipe, prompts: Path | None, sets: dict[str, list[list[dict]]], too_long: dict[str, int],
+                res: dict, base: dict, speed: dict) -> dict[str, PromptSetResult]:
+    """Each set's record in report.json, from measure_sets' results."""
+    return {name: {
+        "acceptance_length": res[name]["acceptance_length"],
+        "per_position_acceptance": res[name]["per_position_acceptance"],
+        "num_prompts": len(m), "skipped_too_long": too_long[name],
+        "tokens_generated": res[name]["tokens_generated"], "verifier_forwards": res[name]["rounds"],
+        "max_new_tokens": max_tokens_of(recipe, name), "by_position": res[name].get("by_position"),
+        "baseline_acceptance_length": base[name]["acceptance_length"] if name in base else None,
+        "baseline_per_position_acceptance": base[name]["per_position_acceptance"] if name in base else None,
+        "source": set_source(recipe, name, prompts),
+        # what `promote` compares: drafts are ranked only on the same prompts
+        "prompts_sha256": content_hash(m),
+        # output tokens/s with the draft over without it, per concurrency level (None: not measured)
+        "speedup": speed["sets"].get(name),
+    } for name, m in sets.items()}
 
 
 def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None = None,
@@ -660,24 +814,11 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
     check_draft_matches(recipe, draft_cfg, layers, getattr(load_config(recipe.verifier), "architectures", None))
     train_cfg = json.loads((draft_dir / "train_config.json").read_text())
     metrics = json.loads((draft_dir / "metrics.json").read_text())
-    k = recipe.evaluate.num_speculative_tokens
+    k = recipe.evaluate.k
     console.print(f"[bold]evaluate[/] k={k}, backend {recipe.evaluate.backend}: "
                   + ", ".join(f"{name} ({len(m)} prompts)" for name, m in sets.items()))
     sets, too_long, res, base, speed = measure_sets(recipe, draft_dir, sets, work)
-    per_set: dict[str, PromptSetResult] = {name: {
-        "acceptance_length": res[name]["acceptance_length"],
-        "per_position_acceptance": res[name]["per_position_acceptance"],
-        "num_prompts": len(m), "skipped_too_long": too_long[name],
-        "tokens_generated": res[name]["tokens_generated"], "verifier_forwards": res[name]["rounds"],
-        "baseline_acceptance_length": base[name]["acceptance_length"] if name in base else None,
-        "baseline_per_position_acceptance": base[name]["per_position_acceptance"] if name in base else None,
-        "source": (str(prompts) if prompts else recipe.prompts.source if name == "validation"
-                   else recipe.evaluate.prompt_sets[name]),
-        # what `promote` compares: drafts are ranked only on the same prompts
-        "prompts_sha256": content_hash(m),
-        # output tokens/s with the draft over without it, per concurrency level (None: not measured)
-        "speedup": speed["sets"].get(name),
-    } for name, m in sets.items()}
+    per_set = set_results(recipe, prompts, sets, too_long, res, base, speed)
     primary = next(iter(per_set))  # the held-out split when there is one
     p = per_set[primary]
     report: EvalReport = {
@@ -690,7 +831,11 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
         "baseline_note": ("the same loop with an untrained draft (same shape, vocab mapping and verifier embeddings)"
                           if base else "not measured: the pod's vLLM sidecar serves only the trained draft"),
         "speedup": p["speedup"], "speedup_note": speed["note"], "speedup_wall_s": speed["wall_s"],
+        "speed_ks": recipe.evaluate.num_speculative_tokens,
         "concurrency_levels": recipe.evaluate.concurrency_levels, "min_speedup": recipe.evaluate.min_speedup,
+        "position_bucket_tokens": recipe.evaluate.position_bucket_tokens,
+        "trained_answer_tokens": recipe.sampling.max_new_tokens,
+        "serving": advise(recipe, {name: x["speedup"] for name, x in per_set.items()}),
         "teacher_forced_estimate": teacher_forced_estimate(
             metrics, k, (train_cfg.get("selection") or {}).get("epoch")),
         "teacher_forced_note": "1 + sum of the exported epoch's validation full_acc_i: an estimate, not a measurement",
@@ -719,5 +864,8 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
                                       for lv in x["speedup"]["levels"]) if x["speedup"] else ""
         console.print(f"  {name}: tau = {x['acceptance_length']:.3f} on {x['num_prompts']} prompts (untrained draft: "
                       f"{x['baseline_acceptance_length'] or float('nan'):.3f}){sp}", soft_wrap=True)
+    if report["serving"]:
+        console.print(f"  serving config: {report['serving']['note']} (report.md, 'Serve this draft')",
+                      soft_wrap=True, markup=False, highlight=False)
     console.print(f"  report: {where}")
     return report

@@ -128,6 +128,6 @@ def run_pipeline(recipe: Recipe, store: Store, run_id: str, stages: list[str] | 
         table.add_row(*r)
     console.print(table)
     if tau is not None:
-        console.print(f"[bold]acceptance length tau = {tau:.3f}[/] at k={recipe.evaluate.num_speculative_tokens}; "
+        console.print(f"[bold]acceptance length tau = {tau:.3f}[/] at k={recipe.evaluate.k}; "
                       f"report: {store.url(Stage(store, run_id, StageName.EVALUATE.dir).key('data/report.md'))}")
     return {"stages": rows, "acceptance_length": tau}

@@ -144,8 +144,11 @@ def make_plan(recipe: Recipe) -> dict:
     n_val = int(val) if val >= 1 else int(round(convs * val))
     ev = recipe.evaluate
     eval_tokens = 2 * min(ev.num_prompts or n_val, n_val) * ev.max_new_tokens  # trained and untrained draft
-    if ev.backend == "vllm":  # the speed passes, with the draft and without (an upper bound on each)
-        eval_tokens += 2 * sum(ev.speedup_requests_at(c) for c in ev.concurrency_levels) * ev.max_new_tokens
+    if ev.long_output is not None:  # the trained draft only
+        eval_tokens += ev.long_output.num_prompts * ev.long_output.max_new_tokens
+    if ev.backend == "vllm":  # the speed passes, with the draft at each k and without (an upper bound on each)
+        timed = sum(ev.speedup_requests_at(c) for c in ev.concurrency_levels)
+        eval_tokens += (len(ev.num_speculative_tokens) + 1) * timed * ev.max_new_tokens
     # the pods of a stage work side by side: capture's and extraction's shards split over plan.*_nodes
     extract_s = (tokens / tp.extract_tokens_per_s + hs / tp.store_bytes_per_s) / tp.extract_nodes
     train_s, passes = gens * t.epochs / (tp.train_samples_per_s_per_gpu * gpus), 1

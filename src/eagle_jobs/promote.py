@@ -56,7 +56,10 @@ def check_speedup(report: dict, run_id: str, min_speedup: float | None) -> None:
     accepted often but slows serving down is not what anyone deploys."""
     if min_speedup is None:
         return
-    sets = report.get("prompt_sets") or {}
+    from eagle_jobs.recipe import LONG_OUTPUT_SET
+
+    # the long-output set is for τ by position: evaluate never times it
+    sets = {n: x for n, x in (report.get("prompt_sets") or {}).items() if n != LONG_OUTPUT_SET}
     missing = [n for n, x in sets.items() if speedup_at_1(x) is None]
     if missing or not sets:
         raise BadInput(f"promote: a speedup of at least {min_speedup:.2f}x at concurrency 1 is required, and run "
@@ -68,6 +71,23 @@ def check_speedup(report: dict, run_id: str, min_speedup: float | None) -> None:
         raise EagleJobsError("promote: not promoted: " + "; ".join(
             f"speedup[{n}] {sp:.2f}x at concurrency 1 < min_speedup {min_speedup:.2f}x" for n, sp in slow.items()),
             ExitCode.NOT_BETTER)
+
+
+def serving_of(report: dict, dest: Store, prefix: str, run_id: str) -> dict | None:
+    """The recommended serving config with the promoted draft's directory in it (None: speed was not
+    measured). A file:// destination's version directory is the draft vLLM loads; from S3 it is first
+    copied to ./eagle3-<run-id> (the `download` line)."""
+    from eagle_jobs.deploy import serve_line, with_draft
+
+    advice = report.get("serving")
+    if not advice:
+        return None
+    if dest.is_s3:
+        local, download = f"./eagle3-{run_id}", f"aws s3 cp --recursive {dest.url(prefix)}/ ./eagle3-{run_id}/"
+    else:
+        local, download = dest.path(prefix), None
+    advice = with_draft(advice, local)
+    return {**advice, "draft": local, "download": download, "line": serve_line(advice)}
 
 
 def shared_sets(report: dict, current: dict, run_id: str, tau: float, sets: dict) -> dict:
@@ -183,16 +203,22 @@ def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
         # the engine every τ above was measured on; remeasured: both drafts again on it (--across-engines)
         "engine": engine, "remeasured_across_engines": remeasured,
     }
+    serve = serving_of(report, dest, prefix, run_id)
+    if serve is not None:
+        dest.put_json(f"{prefix}/serve.json", serve)
     dest.put_json(f"{prefix}/lineage.json", lineage)
     dest.put_json("CURRENT.json", {"run_id": run_id, "version": dest.url(prefix), "acceptance_length": tau,
                                    "prompts_sha256": report.get("prompts_sha256"), "engine": engine,
-                                   "lineage": dest.url(f"{prefix}/lineage.json"),
+                                   "lineage": dest.url(f"{prefix}/lineage.json"), "serve": serve,
                                    "prompt_sets": {n: {"acceptance_length": x["acceptance_length"],
                                                        "prompts_sha256": x["prompts_sha256"]}
                                                    for n, x in sets.items()}})
     console.print(f"promoted '{run_id}' (tau {tau:.3f}"
                   + (f", was {current['acceptance_length']:.3f} from '{current['run_id']}'" if current else "")
                   + f") to {dest.url(prefix)}")
+    if serve is not None:
+        console.print("serve it with:\n" + "\n".join(x for x in (serve["download"], serve["line"]) if x),
+                      soft_wrap=True, markup=False, highlight=False)
     return lineage
 
 

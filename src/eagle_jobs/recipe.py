@@ -325,10 +325,30 @@ class TrainSpec(Section):
         return self.muon or MuonSpec()
 
 
+class LongOutputSpec(Section):
+    """A prompt set whose answers run long, measured on the draft's server for τ by output position
+    (report.json `by_position`): where acceptance falls as an answer grows past the training length."""
+
+    # Any prompt source; None: the held-out split's conversations with the longest recorded first answers.
+    source: str | None = None
+    num_prompts: int = Field(default=4, gt=0)
+    # Sized for the verifier's longest answers (a reasoning trace); prompt + this must fit max-model-len.
+    max_new_tokens: int = Field(default=1024, gt=0)
+
+
+# The long-output set's name in a report: no evaluate.prompt_sets entry may take it.
+LONG_OUTPUT_SET = "long-output"
+
+
 class EvaluateSpec(Section):
     backend: Literal["transformers", "vllm"] = "transformers"
-    num_speculative_tokens: int = Field(default=3, gt=0)
+    # Draft lengths k: τ is measured at the largest (`k`); the speed pass (vllm backend, servers started
+    # here) measures every k at every concurrency level, and the report recommends a k per level.
+    num_speculative_tokens: list[int] = Field(default_factory=lambda: [3], min_length=1)
     max_new_tokens: int = Field(default=128, gt=0)
+    # τ by output position: verify steps grouped by where in the answer they start, this many tokens a bucket.
+    position_bucket_tokens: int = Field(default=256, gt=0)
+    long_output: LongOutputSpec | None = None
     num_prompts: int | None = Field(default=None, gt=0)  # per prompt set
     # Requests in flight on the vLLM backend: the server batches them, as it would in service.
     concurrency: int = Field(default=8, gt=0)
@@ -345,8 +365,24 @@ class EvaluateSpec(Section):
     min_speedup: float | None = Field(default=None, gt=0)
     vllm: VllmServerSpec = VllmServerSpec()
 
+    @field_validator("num_speculative_tokens", mode="before")
+    @classmethod
+    def _ks(cls, v):
+        ks = [v] if isinstance(v, int) else v
+        if isinstance(ks, list) and all(isinstance(k, int) for k in ks):
+            if any(k <= 0 for k in ks) or any(b <= a for a, b in zip(ks, ks[1:])):
+                raise ValueError(f"evaluate.num_speculative_tokens: a k or ascending ks above 0, got {v}")
+        return ks
+
+    @property
+    def k(self) -> int:
+        """The draft length τ is measured at: the largest of num_speculative_tokens."""
+        return self.num_speculative_tokens[-1]
+
     @model_validator(mode="after")
     def _levels(self) -> "EvaluateSpec":
+        if self.long_output is not None and LONG_OUTPUT_SET in self.prompt_sets:
+            raise ValueError(f"evaluate.prompt_sets: '{LONG_OUTPUT_SET}' names evaluate.long_output's set; rename it")
         lv = self.concurrency_levels
         if any(c <= 0 for c in lv) or any(b <= a for a, b in zip(lv, lv[1:])):
             raise ValueError(f"evaluate.concurrency_levels must be positive and strictly ascending, got {lv}")
@@ -491,7 +527,7 @@ class Recipe(Section):
             if "--trust-remote-code" in getattr(self, stage).vllm.serve_args and not self.verifier.trust_remote_code:
                 raise ValueError(f"{stage}.vllm.serve_args has --trust-remote-code: set verifier.trust_remote_code "
                                  "true (with verifier.revision pinned to a commit), or drop the flag")
-        if self.evaluate.num_speculative_tokens > self.train.ttt_steps + 8:
+        if self.evaluate.k > self.train.ttt_steps + 8:
             raise ValueError("evaluate.num_speculative_tokens is far above train.ttt_steps")
         return self
 

@@ -96,9 +96,13 @@ class TimedPass(TypedDict):
     ttft_s_mean: float
     ttft_s_p50: float
     ttft_s_max: float
+    acceptance_length: float | None  # τ over this pass's requests (/metrics counters); None without a draft
 
 
 class SpeedLevel(TypedDict):
+    """One (k, concurrency) cell: the same requests with the draft at k and without a draft."""
+
+    k: int
     concurrency: int
     requests: int
     with_draft: TimedPass
@@ -107,10 +111,49 @@ class SpeedLevel(TypedDict):
 
 
 class SpeedTable(TypedDict):
-    """A set's speed: the same requests with and without the draft, per concurrency level."""
+    """A set's speed: the same requests with and without the draft, per draft length and concurrency."""
 
     max_tokens: int
-    levels: list[SpeedLevel]
+    levels: list[SpeedLevel]  # at evaluate.k, the k τ is measured at
+    surface: list[SpeedLevel]  # every k of evaluate.num_speculative_tokens at every level
+
+
+class PositionBucket(TypedDict):
+    """Verify steps that start at output positions [start, end): their τ (accepted + 1, mean)."""
+
+    start: int
+    end: int
+    verify_steps: int
+    acceptance_length: float
+
+
+class LevelChoice(TypedDict):
+    """One measured concurrency level: the k with the highest speedup there (0: no k reaches 1.0x)."""
+
+    concurrency: int
+    k: int
+    best_k: int  # the fastest k, paying or not
+    speedup: float  # best_k's: the geometric mean over the timed prompt sets
+
+
+class ServingRange(TypedDict):
+    """Batch sizes [first, last] (last None: and above) and the k to serve them with (0: no draft)."""
+
+    first: int
+    last: int | None
+    k: int
+
+
+class ServingAdvice(TypedDict):
+    """The config to deploy, from the speedup surface (eagle_jobs/deploy.py)."""
+
+    by_level: list[LevelChoice]
+    ranges: list[ServingRange]
+    no_gain_from: int | None  # the batch size from which no draft is served; None: it pays at the top level
+    speculative_config: dict | None  # None: speculation pays at no measured level
+    command: list[str]  # `vllm serve` as evaluate measured it, the draft at DRAFT_PLACEHOLDER
+    env: dict[str, str]  # what the measured server's environment adds
+    note: str
 
 
 class PromptSetResult(TypedDict):
@@ -127,6 +170,8 @@ class PromptSetResult(TypedDict):
     verifier_forwards: int
     prompts_sha256: str
     speedup: SpeedTable | None
+    max_new_tokens: int
+    by_position: list[PositionBucket] | None  # None: the server gave no per-request steps
 
 
 class EngineRecord(TypedDict):
@@ -159,7 +204,11 @@ class EvalReport(TypedDict):
     speedup: SpeedTable | None
     speedup_note: str
     speedup_wall_s: float | None
+    speed_ks: list[int]
     concurrency_levels: list[int]
+    position_bucket_tokens: int
+    trained_answer_tokens: int  # sampling.max_new_tokens: the longest answer the draft was trained on
+    serving: ServingAdvice | None
     min_speedup: float | None
     teacher_forced_estimate: float | None
     teacher_forced_note: str

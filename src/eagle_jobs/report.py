@@ -7,9 +7,8 @@ import json
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from matplotlib.typing import ColorType
 
-    from eagle_jobs.records import EvalReport, SpeedTable
+    from eagle_jobs.records import EvalReport, PositionBucket, ServingRange, SpeedTable
 
 
 def _png(fig) -> bytes:
@@ -67,10 +66,10 @@ def write_report(report: EvalReport, metrics: list[dict]) -> dict[str, bytes]:
     matplotlib.use("Agg")
     files = {"training.png": _training_png(report, metrics), "acceptance.png": _acceptance_png(report),
              "tau.png": _tau_png(report)}
-    speed_png = _speedup_png(report)
-    if speed_png is not None:
-        files["speedup.png"] = speed_png
-    files["report.md"] = _markdown(report, with_speedup_plot=speed_png is not None).encode()
+    for name, png in (("speedup.png", _speedup_png(report)), ("position.png", _position_png(report))):
+        if png is not None:
+            files[name] = png
+    files["report.md"] = _markdown(report, plots=set(files)).encode()
     files["report.json"] = json.dumps({k: v for k, v in report.items() if k != "outputs"}, indent=1).encode()
     return files
 
@@ -151,7 +150,7 @@ def _tau_png(report: EvalReport) -> bytes:
     return _png(fig)
 
 
-def _markdown(report: EvalReport, with_speedup_plot: bool) -> str:
+def _markdown(report: EvalReport, plots: set[str]) -> str:
     k = report["num_speculative_tokens"]
     base = report.get("baseline_acceptance_length")
     tf = report.get("teacher_forced_estimate")
@@ -171,9 +170,12 @@ def _markdown(report: EvalReport, with_speedup_plot: bool) -> str:
           if (sel := (report.get("train") or {}).get("selection")) else []), "",
         "tau = tokens per verifier forward, bonus token included (vLLM's 1 + accepted/drafts).", "",
         *_per_set_table(report),
+        *_position_table(report),
+        *(["![tau by output position](position.png)", ""] if "position.png" in plots else []),
         *_speedup_table(report),
+        *(["![speedup against concurrency](speedup.png)", ""] if "speedup.png" in plots else []),
+        *_serving_section(report),
         *_engine_table(report),
-        *(["![speedup against concurrency](speedup.png)", ""] if with_speedup_plot else []),
         "![training](training.png)", "", "![acceptance by position](acceptance.png)", "", "![tau](tau.png)", "",
     ]
     return "\n".join(md)
@@ -214,60 +216,147 @@ def _measured_speed(report: EvalReport) -> dict[str, SpeedTable]:
 
 
 def _speedup_table(report: EvalReport) -> list[str]:
-    """Output tokens per second with the draft over without it, per set and concurrency, with TTFT."""
+    """Output tokens per second with the draft over without it, per set, draft length k and concurrency,
+    with τ over the timed requests and TTFT."""
     sets = _measured_speed(report)
     if not sets:
         return ["## Speedup", "", f"{report.get('speedup_note') or 'not measured'}", ""]
     how = (f"{report['speedup_note']}; at most {next(iter(sets.values()))['max_tokens']} tokens per request; "
-           f"{report['speedup_wall_s']:.0f} s of this evaluation, server start included.")
-    head = ("| set | concurrency | requests | tokens/s with draft | tokens/s without | speedup | "
-            "TTFT with (mean / p50) | TTFT without (mean / p50) |")
-    rows = ["## Speedup", "", how, "", head, "|---|---|---|---|---|---|---|---|"]
+           f"{report['speedup_wall_s']:.0f} s of this evaluation, server starts included.")
+    head = ("| set | k | concurrency | requests | τ of these requests | tokens/s with draft | tokens/s without | "
+            "speedup | TTFT with (mean / p50) | TTFT without (mean / p50) |")
+    rows = ["## Speedup", "", how, "", head, "|---|---|---|---|---|---|---|---|---|---|"]
     for name, sp in sets.items():
-        for lv in sp["levels"]:
-            w, wo = lv["with_draft"], lv["without_draft"]
-            rows.append(f"| {name} | {lv['concurrency']} | {lv['requests']} | {w['output_tokens_per_s']:.1f} | "
+        for lv in sp["surface"]:
+            w, wo, tau = lv["with_draft"], lv["without_draft"], lv["with_draft"].get("acceptance_length")
+            rows.append(f"| {name} | {lv['k']} | {lv['concurrency']} | {lv['requests']} | "
+                        f"{'-' if tau is None else f'{tau:.2f}'} | {w['output_tokens_per_s']:.1f} | "
                         f"{wo['output_tokens_per_s']:.1f} | **{lv['speedup']:.2f}x** | "
                         f"{w['ttft_s_mean']:.3f} / {w['ttft_s_p50']:.3f} s | "
                         f"{wo['ttft_s_mean']:.3f} / {wo['ttft_s_p50']:.3f} s |")
-    above = [f"{name} at concurrency {lv['concurrency']}" for name, sp in sets.items() for lv in sp["levels"]
-             if lv["speedup"] > report["prompt_sets"][name]["acceptance_length"]]
-    if above:  # each verifier forward yields τ tokens on average and costs at least a plain decode step
-        rows += ["", f"A speedup above the set's τ ({', '.join(above)}) is more than speculation can give: the "
+    # each verifier forward yields τ tokens on average and costs at least a plain decode step
+    above = [f"{name} at k {lv['k']}, concurrency {lv['concurrency']}" for name, sp in sets.items()
+             for lv in sp["surface"] if lv["speedup"] > (lv["with_draft"].get("acceptance_length")
+                                                         or report["prompt_sets"][name]["acceptance_length"])]
+    if above:
+        rows += ["", f"A speedup above its τ ({', '.join(above)}) is more than speculation can give: the "
                  "machine's load changed between the two servers' passes. Rerun on an otherwise idle machine, or "
                  "time more requests (evaluate.speedup_requests)."]
     if report.get("min_speedup") is not None:
         rows += ["", f"promote requires a speedup of at least {report['min_speedup']:.2f}x "
-                     "at concurrency 1 on every set."]
+                     f"at concurrency 1 and k = {report['num_speculative_tokens']} on every set."]
     return [*rows, ""]
 
 
+def _position_table(report: EvalReport) -> list[str]:
+    """τ by where in the answer its verify steps start: whether acceptance holds as answers grow."""
+    sets = {n: x for n, x in (report.get("prompt_sets") or {}).items() if x.get("by_position")}
+    if not sets:
+        return []
+    trained = report["trained_answer_tokens"]
+    rows = ["## τ by output position", "",
+            f"Verify steps grouped by the output token they start at, {report['position_bucket_tokens']} tokens a "
+            f"bucket. The draft was trained on answers of at most {trained} tokens (sampling.max_new_tokens).", "",
+            "| set | max new tokens | output tokens | verify steps | τ |", "|---|---|---|---|---|"]
+    for name, x in sets.items():
+        for b in x["by_position"] or []:
+            rows.append(f"| {name} | {x['max_new_tokens']} | {b['start']}-{b['end'] - 1} | {b['verify_steps']} | "
+                        f"{b['acceptance_length']:.3f} |")
+    for name, x in sets.items():
+        if line := _past_training(name, x["by_position"] or [], trained):
+            rows += ["", line]
+    return [*rows, ""]
+
+
+def _past_training(name: str, buckets: list[PositionBucket], trained: int) -> str | None:
+    """What the set shows past the training length: τ of the steps within it against those past it."""
+    def tau(bs: list[PositionBucket]) -> tuple[float, int]:
+        steps = sum(b["verify_steps"] for b in bs)
+        return sum(b["acceptance_length"] * b["verify_steps"] for b in bs) / steps, steps
+
+    within, past = [b for b in buckets if b["end"] <= trained], [b for b in buckets if b["start"] >= trained]
+    if not within or not past:
+        return None
+    (t_in, n_in), (t_past, n_past) = tau(within), tau(past)
+    return (f"{name}: τ {t_in:.3f} over the {n_in} verify steps within the first {within[-1]['end']} output tokens, "
+            f"{t_past:.3f} over the {n_past} from token {past[0]['start']} on ({t_past - t_in:+.3f}).")
+
+
+def _k_text(k: int) -> str:
+    return "no draft" if k == 0 else f"k = {k}"
+
+
+def _range_text(r: ServingRange) -> str:
+    if r["last"] is None:
+        return f"{r['first']} and above"
+    return str(r["first"]) if r["last"] == r["first"] else f"{r['first']}-{r['last']}"
+
+
+def _serving_section(report: EvalReport) -> list[str]:
+    """The config to deploy: the best k per concurrency range, where no draft pays, the serve line."""
+    from eagle_jobs.deploy import serve_line
+
+    advice = report.get("serving")
+    if not advice:
+        return []
+    rows = ["## Serve this draft", "", advice["note"] + ".", "",
+            "| concurrency | fastest k | its speedup | serve with |", "|---|---|---|---|"]
+    for lv in advice["by_level"]:
+        rows.append(f"| {lv['concurrency']} | {lv['best_k']} | {lv['speedup']:.2f}x | {_k_text(lv['k'])} |")
+    rows += ["", "Batch sizes and k: " + ", ".join(f"{_range_text(r)} → {_k_text(r['k'])}" for r in advice["ranges"])
+             + ".", "", "The command evaluate measured, with this config (`promote` writes it with the promoted "
+             "draft's directory in place of DRAFT_DIR):", "", "```", serve_line(advice), "```", ""]
+    return rows
+
+
 def _speedup_png(report: EvalReport) -> bytes | None:
-    """Speedup against concurrency, one line per prompt set; 1.0 is where the draft stops paying."""
+    """The speedup surface: per prompt set, speedup against concurrency, one line per draft length k;
+    1.0 is where the draft stops paying, and a star marks the k the report recommends at each level."""
     sets = _measured_speed(report)
     if not sets:
         return None
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    levels = sorted({lv["concurrency"] for sp in sets.values() for lv in sp["levels"]})
-    points: dict[int, list[tuple[float, ColorType]]] = {}
-    for name, sp in sets.items():
-        xs, ys = [lv["concurrency"] for lv in sp["levels"]], [lv["speedup"] for lv in sp["levels"]]
-        line, = ax.plot(xs, ys, marker="o", label=name)
-        for x, y in zip(xs, ys):
-            points.setdefault(x, []).append((y, line.get_color()))
-    for x, pts in points.items():  # at each level the highest label above its point, the others below, stacked
-        for rank, (y, color) in enumerate(sorted(pts, reverse=True)):
-            ax.annotate(f"{y:.2f}x", (x, y), textcoords="offset points", xytext=(0, 7 if rank == 0 else -13 * rank),
-                        ha="center", fontsize=8, color=color)
-    ax.axhline(1.0, color="black", lw=0.8, ls="--", label="no draft (1.0)")
-    top = max(1.2, max(lv["speedup"] for sp in sets.values() for lv in sp["levels"]) * 1.15)
-    ax.set_xscale("log", base=2)
-    ax.set_xlim(levels[0] / 1.5, levels[-1] * 1.5)
-    ax.xaxis.set_minor_locator(plt.NullLocator())
-    ax.set_xticks(levels, [str(c) for c in levels])
-    ax.set(title="speedup: output tokens/s with the draft over without", xlabel="concurrent requests",
-           ylabel="speedup", ylim=(0, top))
-    ax.legend(fontsize=8)
+    advice = report.get("serving")
+    chosen = {lv["concurrency"]: lv["k"] for lv in advice["by_level"]} if advice else {}
+    fig, axes = plt.subplots(1, len(sets), figsize=(4.6 * len(sets), 3.6), squeeze=False)
+    for ax, (name, sp) in zip(axes[0], sets.items()):
+        levels = sorted({c["concurrency"] for c in sp["surface"]})
+        for k in sorted({c["k"] for c in sp["surface"]}):
+            cells = [c for c in sp["surface"] if c["k"] == k]
+            xs, ys = [c["concurrency"] for c in cells], [c["speedup"] for c in cells]
+            line, = ax.plot(xs, ys, marker="o", label=f"k={k}")
+            for c in cells:
+                if chosen.get(c["concurrency"]) == k:
+                    ax.plot([c["concurrency"]], [c["speedup"]], marker="*", markersize=14, color=line.get_color())
+                    ax.annotate(f"{c['speedup']:.2f}x", (c["concurrency"], c["speedup"]), textcoords="offset points",
+                                xytext=(0, 8), ha="center", fontsize=8, color=line.get_color())
+        ax.axhline(1.0, color="black", lw=0.8, ls="--", label="no draft (1.0)")
+        top = max(1.2, max(c["speedup"] for c in sp["surface"]) * 1.15)
+        ax.set_xscale("log", base=2)
+        ax.set_xlim(levels[0] / 1.5, levels[-1] * 1.5)
+        ax.xaxis.set_minor_locator(plt.NullLocator())
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set(title=f"{name}: tokens/s with the draft over without", xlabel="concurrent requests",
+               ylabel="speedup", ylim=(0, top))
+        ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def _position_png(report: EvalReport) -> bytes | None:
+    """τ by output position per prompt set, with the longest answer the draft was trained on."""
+    sets = {n: x["by_position"] for n, x in (report.get("prompt_sets") or {}).items() if x.get("by_position")}
+    if not sets:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, buckets in sets.items():
+        ax.plot([(b["start"] + b["end"]) / 2 for b in buckets or []], [b["acceptance_length"] for b in buckets or []],
+                marker="o", label=name)
+    ax.axvline(report["trained_answer_tokens"], color="tab:red", lw=0.8, ls="--", label="longest trained answer")
+    ax.axhline(1.0, color="black", lw=0.6)
+    ax.set(title="tau by output position", xlabel="output token (bucket middle)", ylabel="tau",
+           ylim=(0, report["num_speculative_tokens"] + 1))
+    ax.legend(fontsize=7)
     return _png(fig)

@@ -64,14 +64,25 @@ def extract_plan(recipe: Recipe, run_id: str, worker: int) -> ServePlan:
     return ServePlan(recipe.extract.vllm, recipe.verifier, tuple(extract_args(recipe, run_id, worker)))
 
 
-def evaluate_plan(recipe: Recipe, draft_dir: Path | None) -> ServePlan:
+def speculative_config(draft: str, k: int) -> dict:
+    """The --speculative-config of an EAGLE-3 draft at draft length k: what evaluate serves and what the
+    report recommends deploying (eagle_jobs/deploy.py adds a batch-size schedule of k there)."""
+    return {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+
+
+# Each response carries its verify steps' accepted counts in order (vllm 0.32 config/observability.py:50,
+# v1/metrics/stats.py RequestSpecDecodeMetrics; the same in 0.33): τ by output position.
+PER_REQUEST_SPEC_METRICS = ("--per-request-spec-decode-metrics", "detailed")
+
+
+def evaluate_plan(recipe: Recipe, draft_dir: Path | None, k: int | None = None) -> ServePlan:
     """evaluate: the recipe's evaluate.vllm and the verifier, with the draft as EAGLE-3 speculative
-    decoding, or, for the speed baseline (draft_dir None), without one."""
+    decoding at draft length k (default evaluate.k), or, for the speed baseline (draft_dir None), without one."""
     if draft_dir is None:
         return ServePlan(recipe.evaluate.vllm, recipe.verifier, ())
-    spec = {"method": "eagle3", "model": str(draft_dir),
-            "num_speculative_tokens": recipe.evaluate.num_speculative_tokens}
-    return ServePlan(recipe.evaluate.vllm, recipe.verifier, ("--speculative-config", json.dumps(spec)))
+    spec = speculative_config(str(draft_dir), k or recipe.evaluate.k)
+    return ServePlan(recipe.evaluate.vllm, recipe.verifier,
+                     ("--speculative-config", json.dumps(spec), *PER_REQUEST_SPEC_METRICS))
 
 
 def stage_plan(recipe: Recipe, stage: str, store: Store, run_id: str, shard_index: int | None = None) -> ServePlan:

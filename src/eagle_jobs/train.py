@@ -208,7 +208,7 @@ def select_epoch(records: list[dict], k: int, last: int) -> dict:
 
 def estimate_depth(recipe: Recipe) -> int:
     """The k of the tau estimate: the draft tokens evaluate serves, as far as training validated them."""
-    return min(recipe.evaluate.num_speculative_tokens, recipe.train.ttt_steps)
+    return min(recipe.evaluate.k, recipe.train.ttt_steps)
 
 
 def commit_checkpoint(stage: Stage, local: Path, epoch: int, local_step: int, extra: dict) -> dict:
