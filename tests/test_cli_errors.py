@@ -21,9 +21,9 @@ EAGLE_JOBS = str(Path(sys.executable).parent / "eagle-jobs")
 COMMANDS = sorted(typer.main.get_command(app).commands)
 CLUSTER = {  # every command that talks to a cluster, with arguments that get it that far
     "submit": ["--overlay", str(REPO / "k8s/overlays/dev"), "--run-id", "demo"],
-    "status": ["demo"],
-    "watch": ["demo", "--timeout", "1"],
-    "logs": ["demo"],
+    "status": ["--run-id", "demo"],
+    "watch": ["--run-id", "demo", "--timeout", "1"],
+    "logs": ["--run-id", "demo"],
 }
 
 
@@ -53,14 +53,14 @@ def test_an_unknown_option_is_one_line_and_exit_2(command):
 
 
 @pytest.mark.parametrize("args, what", [
-    (["status"], "Missing argument 'run_id'"),  # a missing argument
+    (["status"], "Missing option '--run-id'"),  # no run named, no $EAGLE_JOBS_RUN_ID
     (["capture"], "Missing option '--recipe'"),  # a missing required option
     (["capture", "--recipe", "jobs/demo.yaml", "--shard-index", "two"], "Invalid value for '--shard-index'"),
-    (["status", "--run-id", "demo"], "No such option: --run-id"),  # the issue's example: an argument there
+    (["status", "--run-idd", "demo"], "No such option: --run-idd"),
     (["captur"], "No such command 'captur'"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(args, what):
-    out = run_cli(args)
+    out = run_cli(args, env={k: v for k, v in os.environ.items() if k != "EAGLE_JOBS_RUN_ID"})
     assert what in one_line(out) and out.returncode == ExitCode.USAGE
 
 
@@ -98,7 +98,7 @@ def test_without_kubeconfig_the_default_file_is_tried(command, no_cluster_env):
 
 def test_an_explicit_kubeconfig_is_the_only_one_tried(no_cluster_env, tmp_path):
     """--kubeconfig names one cluster: a bad file there must not quietly fall back to another one."""
-    line = one_line(out := run_cli(["status", "demo", "--kubeconfig", str(tmp_path / "nope")], env=no_cluster_env))
+    line = one_line(out := run_cli(["status", "--run-id", "demo", "--kubeconfig", str(tmp_path / "nope")], env=no_cluster_env))
     assert out.returncode == ExitCode.NO_CLUSTER
     assert line.startswith(f"eagle-jobs: error: --kubeconfig {tmp_path / 'nope'}:") and "in-cluster" not in line
 
@@ -114,7 +114,7 @@ users: [{{name: u, user: {{token: t}}}}]
 contexts: [{{name: x, context: {{cluster: c, user: u}}}}]
 current-context: x
 """)
-    line = one_line(out := run_cli(["status", "demo", "--kubeconfig", str(kc)], env=no_cluster_env))
+    line = one_line(out := run_cli(["status", "--run-id", "demo", "--kubeconfig", str(kc)], env=no_cluster_env))
     assert out.returncode == ExitCode.NO_CLUSTER and "cluster API unreachable" in line
 
 
@@ -233,3 +233,29 @@ def test_every_command_refuses_a_bad_run_id_in_one_line(command, tmp_path):
     out = run_cli(args, cwd=tmp_path)
     assert out.returncode == ExitCode.BAD_INPUT and "run id 'a/../../b'" in one_line(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl", "r.yaml"]
+
+
+def test_every_command_names_its_run_with_run_id_and_the_old_argument_still_works(no_cluster_env, tmp_path):
+    """One way to name a run in every command (--run-id); status, watch, logs and promote still take the
+    run id as an argument, with a one-line notice, and refuse two different ones."""
+    for command in COMMANDS:
+        params = {p.name for p in typer.main.get_command(app).commands[command].params}
+        takes_a_run = params & {"run_id", "run"} or command in ("status", "watch", "logs", "promote")
+        assert not takes_a_run or "run_id" in params, command
+    out = run_cli(["status", "demo", "--kubeconfig", str(tmp_path / "nope")], env=no_cluster_env)
+    notice, error = out.stderr.strip().splitlines()
+    assert notice == "eagle-jobs status: the run id as an argument is the old way: use --run-id demo"
+    assert error.startswith("eagle-jobs: error: --kubeconfig") and out.returncode == ExitCode.NO_CLUSTER
+    line = one_line(out := run_cli(["watch", "a", "--run-id", "b"], env=no_cluster_env))
+    assert out.returncode == ExitCode.BAD_INPUT and "run id 'a' as an argument and 'b' as --run-id" in line
+
+
+def test_version_examples_and_exit_codes_in_the_help():
+    out = run_cli(["--version"])
+    assert out.returncode == 0 and out.stdout.strip().startswith("eagle-jobs 0.")
+    top = run_cli(["--help"]).stdout
+    for hidden in ("serve-vllm", "exec-vllm", "guard"):  # pod-internal: run by the manifests, not by people
+        assert f"│ {hidden} " not in top
+    for command in ("capture", "extract", "train", "evaluate", "run", "compare", "promote", "status", "watch"):
+        text = " ".join(run_cli([command, "--help"], env={**os.environ, "COLUMNS": "200"}).stdout.split())
+        assert "Example: eagle-jobs " + command in text and "Exit codes: 0 done" in text, command

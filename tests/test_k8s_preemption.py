@@ -53,6 +53,9 @@ def test_the_train_pods_grace_fits_one_checkpoint_save(rendered, overlay):
     assert save_s <= RANK_SHUTDOWN_TIMEOUT_S <= grace - 20, (overlay, ckpt, save_s, RANK_SHUTDOWN_TIMEOUT_S, grace)
     if overlay == "full":  # Kimi-K2.5's draft: 8.6 GB (the documented figure)
         assert 8.4e9 < ckpt["bytes"] < 8.8e9 and 140 < save_s < 160
+    # docs/ARCHITECTURE.md states both numbers
+    arch = (Path(__file__).resolve().parents[1] / "docs" / "ARCHITECTURE.md").read_text()
+    assert f"gives torchrun a {RANK_SHUTDOWN_TIMEOUT_S} s\n  shutdown grace (inside the train pod's {grace} s)" in arch
 
 
 def _overlay(tmp_path: Path, components: list[str]) -> list[dict]:

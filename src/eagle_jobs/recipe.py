@@ -427,7 +427,7 @@ class Throughputs(Section):
         "tokens/s one vLLM server prefills with extract_hidden_states (extraction is prefill only, so a re-extracted "
         "epoch runs at this rate too); stated at 93553da, never measured"))
     train_samples_per_s_per_gpu: float = Field(default=0.5, gt=0, description=(
-        "the seed run (../shared/seed/): 10 samples x 3 epochs in about a minute on one RTX PRO 6000"))
+        "the seed run, Kimi-K2.5's draft trained by hand: 10 samples x 3 epochs in about a minute on one RTX PRO 6000"))
     eval_tokens_per_s: float = Field(default=300.0, gt=0, description="stated at 93553da, never measured")
     store_bytes_per_s: float = Field(default=500e6, gt=0, description=(
         "bytes/s one pod writes to or reads from the store; stated at 93553da, never measured"))

@@ -274,12 +274,13 @@ def _past_training(name: str, buckets: list[PositionBucket], trained: int) -> st
         steps = sum(b["verify_steps"] for b in bs)
         return sum(b["acceptance_length"] * b["verify_steps"] for b in bs) / steps, steps
 
-    within, past = [b for b in buckets if b["end"] <= trained], [b for b in buckets if b["start"] >= trained]
+    within, past = [b for b in buckets if b["start"] < trained], [b for b in buckets if b["start"] >= trained]
     if not within or not past:
         return None
     (t_in, n_in), (t_past, n_past) = tau(within), tau(past)
-    return (f"{name}: τ {t_in:.3f} over the {n_in} verify steps within the first {within[-1]['end']} output tokens, "
-            f"{t_past:.3f} over the {n_past} from token {past[0]['start']} on ({t_past - t_in:+.3f}).")
+    return (f"{name}: τ {t_in:.3f} over the {n_in} verify steps that start in the first {within[-1]['end']} output "
+            f"tokens, {t_past:.3f} over the {n_past} from token {past[0]['start']} on, past the longest trained "
+            f"answer ({t_past - t_in:+.3f}).")
 
 
 def _k_text(k: int) -> str:
@@ -337,8 +338,8 @@ def _speedup_png(report: EvalReport) -> bytes | None:
         ax.set_xlim(levels[0] / 1.5, levels[-1] * 1.5)
         ax.xaxis.set_minor_locator(plt.NullLocator())
         ax.set_xticks(levels, [str(c) for c in levels])
-        ax.set(title=f"{name}: tokens/s with the draft over without", xlabel="concurrent requests",
-               ylabel="speedup", ylim=(0, top))
+        ax.set(title=name, xlabel="concurrent requests", ylabel="speedup: tokens/s with the draft / without",
+               ylim=(0, top))
         ax.legend(fontsize=7)
     return _png(fig)
 
