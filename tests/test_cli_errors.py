@@ -98,7 +98,8 @@ def test_without_kubeconfig_the_default_file_is_tried(command, no_cluster_env):
 
 def test_an_explicit_kubeconfig_is_the_only_one_tried(no_cluster_env, tmp_path):
     """--kubeconfig names one cluster: a bad file there must not quietly fall back to another one."""
-    line = one_line(out := run_cli(["status", "--run-id", "demo", "--kubeconfig", str(tmp_path / "nope")], env=no_cluster_env))
+    args = ["status", "--run-id", "demo", "--kubeconfig", str(tmp_path / "nope")]
+    line = one_line(out := run_cli(args, env=no_cluster_env))
     assert out.returncode == ExitCode.NO_CLUSTER
     assert line.startswith(f"eagle-jobs: error: --kubeconfig {tmp_path / 'nope'}:") and "in-cluster" not in line
 
