@@ -506,6 +506,12 @@ def spec_counters(base: str) -> dict:
     return parse_spec_metrics(httpx.get(f"{base}/metrics", timeout=30).text)
 
 
+def drafts_and_accepted(before: dict, after: dict) -> tuple[float, float]:
+    """Drafts and accepted draft tokens between two reads of the /metrics counters (server-wide)."""
+    return (after.get("num_drafts", 0) - before.get("num_drafts", 0),
+            after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0))
+
+
 def request_steps(body: dict) -> list[tuple[int, int]] | None:
     """A chat response's verify steps (--per-request-spec-decode-metrics detailed), or None where the
     server does not give them. vLLM leaves per_step_accepted out when a request had no verify step."""
@@ -539,8 +545,7 @@ def tau_pass(recipe: Recipe, base: str, model: str, name: str, prompts: list[lis
             steps = None if steps is None or request is None else steps + request
             advance(1, n)
     after = spec_counters(base)
-    drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
-    accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
+    drafts, accepted = drafts_and_accepted(before, after)
     per_pos = [(after["per_pos"].get(i, 0) - before["per_pos"].get(i, 0)) / drafts if drafts else 0.0
                for i in range(k)]
     return {"acceptance_length": 1 + accepted / drafts if drafts else 1.0, "per_position_acceptance": per_pos,
@@ -644,10 +649,8 @@ def measure_speed(recipe: Recipe, base: str, model: str, sets: dict[str, list[li
             before = spec_counters(base) if drafted else None
             t = out[name][level] = timed_pass(recipe, base, bodies, level)
             if before is not None:
-                after = spec_counters(base)
-                drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
-                t["acceptance_length"] = 1 + (after.get("num_accepted_tokens", 0)
-                                              - before.get("num_accepted_tokens", 0)) / drafts if drafts else 1.0
+                drafts, accepted = drafts_and_accepted(before, spec_counters(base))
+                t["acceptance_length"] = 1 + accepted / drafts if drafts else 1.0
             console.print(f"  speed {label}: {name}, concurrency {level}: {n} requests, {t['output_tokens']} tokens "
                           f"in {t['seconds']:.1f} s = {t['output_tokens_per_s']:.1f} tokens/s, "
                           f"TTFT {t['ttft_s_mean']:.2f} s", soft_wrap=True, markup=False, highlight=False)
