@@ -105,3 +105,4 @@ k8s-recipes:
 	cp jobs/kimi-k2.5-smoke.yaml k8s/overlays/smoke/recipe.yaml
 	cp jobs/kimi-k2.5.yaml k8s/overlays/full/recipe.yaml
 	cp jobs/kimi-k2.5-gb200.yaml k8s/overlays/full-gb200/recipe.yaml
+	cp jobs/qwen3-8b.yaml k8s/overlays/qwen3-8b-1gpu/recipe.yaml

@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
 
-    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.recipe_file import load_recipe
 
     recipe = load_recipe(args.recipe)
     names = ["base", *(args.arms.split(",") if args.arms else recipe.variants)]

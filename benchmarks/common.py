@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def demo_recipe(name: str = "demo-transformers", **over):
-    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.recipe_file import load_recipe
 
     r = load_recipe(REPO / f"jobs/{name}.yaml")
     for section, fields in over.items():

@@ -182,8 +182,8 @@ def tiny_recipe(tmp_path, tiny_kimi):
             # attention width is not the hidden size (the seed's head_dim 112 vs 128 pitfall)
             "draft": {"draft_vocab_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
                       "head_dim": 32, "intermediate_size": 128},
-            "train": {"epochs": 2, "lr": 1e-3, "total_seq_len": 256, "ttt_steps": 2},
-            "evaluate": {"num_speculative_tokens": 2, "max_new_tokens": 10},
+            "train": {"epochs": 2, "lr": 1e-3, "optimizer": "adamw", "total_seq_len": 256, "ttt_steps": 2},
+            "evaluate": {"backend": "transformers", "num_speculative_tokens": 2, "max_new_tokens": 10},
             "store": {"uri": f"file://{tmp_path}/store", "run_id": "t"},
         }
         for k, v in over.items():
@@ -238,7 +238,7 @@ def draft_call_kwargs(recipe, loss_implementation: str) -> dict:
 # or per test, and the guard below fails a test that starts real vLLM without the marker, so the fast tier
 # stays fast.
 K8S_MODULES = {"test_k8s", "test_k8s_compare", "test_k8s_admission", "test_k8s_failure", "test_cluster", "test_workflow",
-               "test_images", "test_guard", "test_k8s_pools"}
+               "test_images", "test_guard", "test_k8s_pools", "test_qwen3_recipe"}
 REAL_VLLM = {str(Path(sys.executable).parent / "vllm"), "eagle_jobs.vllm_cpu"}
 
 

@@ -157,7 +157,7 @@ def test_a_short_name_is_a_run_id_and_names_a_jobset_the_webhook_admits(value):
 def test_a_bad_run_id_is_refused_in_one_line_by_the_validator_the_recipe_and_jobset_name(value, tmp_path):
     from eagle_jobs import cluster
     from eagle_jobs.errors import BadInput
-    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.recipe_file import load_recipe
     from eagle_jobs.runid import check_run_id, run_id_problem
 
     assert BAD_IDS[value] in run_id_problem(value)

@@ -11,7 +11,8 @@ from eagle_jobs.capture import run_capture
 from eagle_jobs.compare import run_compare
 from eagle_jobs.errors import BadInput, NotReady
 from eagle_jobs.extract import run_extract
-from eagle_jobs.recipe import Recipe, load_recipe
+from eagle_jobs.recipe import Recipe
+from eagle_jobs.recipe_file import load_recipe
 from eagle_jobs.store import Stage, Store
 
 

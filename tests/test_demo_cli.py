@@ -23,7 +23,7 @@ def test_cli_capture_demo_recipe_into_s3(bucket, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     from eagle_jobs.committed import read_rows
     from eagle_jobs.prompts import read_prompts
-    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.recipe_file import load_recipe
     from eagle_jobs.store import Store
     from eagle_jobs.verifier import load_tokenizer
 

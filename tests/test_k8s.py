@@ -24,12 +24,13 @@ import yaml
 from conftest import kustomize
 
 REPO = Path(__file__).resolve().parents[1]
-OVERLAYS = ["dev", "smoke", "full", "full-multinode"]
+OVERLAYS = ["dev", "smoke", "full", "full-multinode", "qwen3-8b-1gpu"]
 OLDEST_K8S = "1.33.0"
-RECIPES = {"dev": "demo-dev", "smoke": "kimi-k2.5-smoke", "full": "kimi-k2.5", "full-multinode": "kimi-k2.5"}
+RECIPES = {"dev": "demo-dev", "smoke": "kimi-k2.5-smoke", "full": "kimi-k2.5", "full-multinode": "kimi-k2.5",
+           "qwen3-8b-1gpu": "qwen3-8b"}
 STAGES = ["capture", "extract", "train", "evaluate"]
 # the GPU overlays stream the verifier from the store's mirror, made by a first stage (components/verifier-mirror)
-MIRRORED = {"dev": False, "smoke": True, "full": True, "full-multinode": True}
+MIRRORED = {"dev": False, "smoke": True, "full": True, "full-multinode": True, "qwen3-8b-1gpu": True}
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +184,9 @@ def test_exit_code_mapping(rendered, overlay):
 
 
 GPU = {"dev": {}, "smoke": {**{s: 8 for s in STAGES}, "train": 1}, "full": {s: 8 for s in STAGES},
-       "full-multinode": {s: 8 for s in STAGES}}
+       "full-multinode": {s: 8 for s in STAGES}, "qwen3-8b-1gpu": {s: 1 for s in STAGES}}
+# the GFD products each GPU overlay's pods select (components/blackwell-8gpu; pool-1gpu: H100 and H200)
+PRODUCTS = {"qwen3-8b-1gpu": ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H200")}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -201,7 +204,8 @@ def test_gpus_resources_and_scheduling(rendered, overlay):
             assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tol
             terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
             keys = {(e["key"], tuple(e["values"])) for t in terms for e in t["matchExpressions"]}
-            assert ("nvidia.com/gpu.product", ("NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition",)) in keys
+            product = PRODUCTS.get(overlay, ("NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition",))
+            assert ("nvidia.com/gpu.product", product) in keys
             shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
             assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
             gpu_c = next(c for c in containers if c["resources"]["limits"].get("nvidia.com/gpu"))
@@ -224,7 +228,7 @@ def _tolerates(toleration: dict, taint: dict) -> bool:
     return op == "Exists" or (op == "Equal" and toleration.get("value", "") == taint.get("value", ""))
 
 
-@pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
+@pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode", "qwen3-8b-1gpu"])
 def test_the_mirror_runs_on_a_pool_of_tainted_gpu_nodes_and_prefers_a_cpu_node(rendered, overlay):
     """A cluster whose only nodes are its GPU pool, tainted as GKE and the GPU Operator taint them, schedules
     the mirror (no GPU asked) there; where a node without a GPU exists, the mirror prefers it."""
@@ -262,7 +266,7 @@ def test_security_context_restricted(rendered, overlay):
                 assert "/tmp" in mounts
 
 
-@pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
+@pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode", "qwen3-8b-1gpu"])
 def test_vllm_sidecar_is_never_restarted_by_a_probe_and_the_worker_waits_for_it(rendered, overlay):
     js = _jobset(rendered[overlay])
     for st in ("capture", "extract", "evaluate"):
@@ -295,9 +299,9 @@ def test_images_env_volumes_and_recipe(rendered, overlay):
     recipe_text = cm["eagle-jobs-recipe"]["recipe.yaml"]
     assert recipe_text == (REPO / "jobs" / f"{RECIPES[overlay]}.yaml").read_text()
     run = cm["eagle-jobs-run"]
-    from eagle_jobs.recipe import Recipe
+    from eagle_jobs.recipe_file import recipe_from_text
 
-    recipe = Recipe.model_validate(yaml.safe_load(recipe_text))
+    recipe = recipe_from_text(recipe_text)
     assert run["EAGLE_JOBS_RUN_ID"] == recipe.store.run_id
     assert js["metadata"]["labels"]["eagle-jobs/run-id"] == recipe.store.run_id
     for st in STAGES:
@@ -332,7 +336,7 @@ def test_overlays_hold_only_per_run_objects_with_hashed_configmaps(rendered, ove
 def test_another_recipe_is_another_configmap_so_a_running_jobset_keeps_its_own(rendered, tmp_path):
     """Applying the same overlay with an edited recipe creates a new ConfigMap (and the immutable JobSet
     refuses the changed template: a run is never switched to another recipe mid-run)."""
-    edited = (REPO / "jobs/kimi-k2.5.yaml").read_text().replace("epochs: 3", "epochs: 4")
+    edited = (REPO / "jobs/kimi-k2.5.yaml").read_text().replace("  lr: 1.0e-4\n", "  lr: 2.0e-4\n")
     assert edited != (REPO / "jobs/kimi-k2.5.yaml").read_text()
 
     def recipe_map(docs):
@@ -549,7 +553,7 @@ def _container_env(c: dict, cms: dict) -> dict:
     return env
 
 
-@pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
+@pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode", "qwen3-8b-1gpu"])
 def test_vllm_pods_prepare_then_exec_the_command_for_the_first_and_last_index(rendered, overlay, tmp_path, moto_server):
     """What each vLLM sidecar runs, computed as the pod computes it: the prepare init container's args
     with its own env (not the worker's), for every completion index; then the sidecar execs exactly that:
@@ -557,10 +561,10 @@ def test_vllm_pods_prepare_then_exec_the_command_for_the_first_and_last_index(re
     Secret come from its fixture)."""
     js = _jobset(rendered[overlay])
     cms = _configmaps(rendered[overlay])
-    from eagle_jobs.recipe import Recipe
+    from eagle_jobs.recipe_file import recipe_from_text
     from eagle_jobs.store import Store
 
-    verifier = Recipe.model_validate(yaml.safe_load(cms["eagle-jobs-recipe"]["recipe.yaml"])).verifier
+    verifier = recipe_from_text(cms["eagle-jobs-recipe"]["recipe.yaml"]).verifier
     mirror = Store.open(verifier.weights)
     import boto3
 
@@ -592,10 +596,16 @@ def test_vllm_pods_prepare_then_exec_the_command_for_the_first_and_last_index(re
             r = _pod_cli(sidecar, tmp_path, {**run_env, **_container_env(sidecar, cms)})
             assert r.returncode == 0, (overlay, stage, index, r.stderr[-800:])
             cmd = r.stdout.splitlines()
-            assert cmd[0] == str(bindir / "vllm") and cmd[1] == "serve" and "--tensor-parallel-size" in cmd
-            # the weights come from the mirror, each GPU streaming its slice; nothing names the hub
+            assert cmd[0] == str(bindir / "vllm") and cmd[1] == "serve"
+            # the weights come from the mirror, each GPU streaming its slice (one GPU: the whole of it);
+            # nothing names the hub
             assert cmd[2] == verifier.weights and cmd[cmd.index("--load-format") + 1] == "runai_streamer"
-            assert json.loads(cmd[cmd.index("--model-loader-extra-config") + 1]) == {"distributed": True}
+            tp = int(cmd[cmd.index("--tensor-parallel-size") + 1]) if "--tensor-parallel-size" in cmd else 1
+            assert tp == GPU[overlay][stage], (overlay, stage, tp)
+            if tp > 1:
+                assert json.loads(cmd[cmd.index("--model-loader-extra-config") + 1]) == {"distributed": True}
+            else:
+                assert "--model-loader-extra-config" not in cmd
             assert cmd[cmd.index("--served-model-name") + 1] == verifier.model
             if stage == "extract":
                 kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
@@ -623,7 +633,7 @@ print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
     assert r.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("overlay", ["smoke", "full"])
+@pytest.mark.parametrize("overlay", ["smoke", "full", "qwen3-8b-1gpu"])
 def test_a_bad_recipe_fails_the_prepare_container_and_the_job(rendered, overlay, tmp_path):
     """A check that fails before vLLM starts exits 3 in a regular init container: the pod fails, and
     podFailurePolicy fails the Job (a restartable sidecar exiting 3 would only crash-loop)."""
@@ -640,13 +650,13 @@ def test_a_bad_recipe_fails_the_prepare_container_and_the_job(rendered, overlay,
         assert rule["action"] == "FailJob"
 
 
-@pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
+@pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode", "qwen3-8b-1gpu"])
 def test_gpu_pods_land_on_the_product_and_ask_for_what_they_use(rendered, overlay):
-    from eagle_jobs.recipe import Recipe
+    from eagle_jobs.recipe_file import recipe_from_text
 
     js = _jobset(rendered[overlay])
     cms = _configmaps(rendered[overlay])
-    recipe = Recipe.model_validate(yaml.safe_load(cms["eagle-jobs-recipe"]["recipe.yaml"]))
+    recipe = recipe_from_text(cms["eagle-jobs-recipe"]["recipe.yaml"])
     for st in STAGES:
         terms = _pod(js, st)["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
         keys = {e["key"] for t in terms for e in t["matchExpressions"]}
@@ -655,7 +665,7 @@ def test_gpu_pods_land_on_the_product_and_ask_for_what_they_use(rendered, overla
     assert int(gpus) == recipe.train.nproc_per_node  # the smoke run trains on one rank: one GPU
 
 
-@pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
+@pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode", "qwen3-8b-1gpu"])
 def test_vllm_pods_keep_gpus_and_usage_stats_to_the_sidecar(rendered, overlay):
     js = _jobset(rendered[overlay])
     for st in ("capture", "extract", "evaluate"):
@@ -710,7 +720,7 @@ def test_every_pod_requests_the_disk_its_volumes_may_fill(rendered, overlay):
             assert shm < memory or not shm, (overlay, d["metadata"]["name"], shm, memory)
 
 
-@pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode"])
+@pytest.mark.parametrize("overlay", ["smoke", "full", "full-multinode", "qwen3-8b-1gpu"])
 def test_no_other_pod_reaches_the_vllm_port_and_training_still_rendezvous(rendered, shared_rendered, overlay):
     js = _jobset(rendered[overlay])
     (pol,) = [d for d in shared_rendered["cluster-setup"] if d["kind"] == "NetworkPolicy"]
@@ -728,7 +738,7 @@ def test_no_other_pod_reaches_the_vllm_port_and_training_still_rendezvous(render
         assert selected(tpl["metadata"]["labels"]) == serves, rj["name"]  # train's rendezvous stays open
 
 
-@pytest.mark.parametrize("overlay", ["smoke", "full"])
+@pytest.mark.parametrize("overlay", ["smoke", "full", "qwen3-8b-1gpu"])
 def test_the_mirror_stage_copies_the_pinned_revision_into_the_store(rendered, overlay, tmp_path):
     """The mirror pod's command with its rendered env, on a recipe whose model is a local directory
     (no hub here): files land under verifier.weights, MIRROR.json last, and a second run copies nothing."""

@@ -21,7 +21,7 @@ import yaml
 from conftest import kustomize
 
 REPO = Path(__file__).resolve().parents[1]
-OVERLAYS = ["dev", "smoke", "full", "full-multinode", "full-b200", "full-gb200"]
+OVERLAYS = ["dev", "smoke", "full", "full-multinode", "full-b200", "full-gb200", "qwen3-8b-1gpu"]
 NS = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "eagle-jobs", "labels": {
     "kubernetes.io/metadata.name": "eagle-jobs", "pod-security.kubernetes.io/enforce": "restricted"}}}
 DIGEST = "@sha256:" + "ab" * 32

@@ -16,11 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import kustomize
 
 REPO = Path(__file__).resolve().parents[1]
-OVERLAYS = ["dev", "smoke", "full", "full-multinode", "full-b200", "full-gb200"]
+OVERLAYS = ["dev", "smoke", "full", "full-multinode", "full-b200", "full-gb200", "qwen3-8b-1gpu"]
 VLLM_STAGES = ["capture", "extract", "evaluate"]
 
 
@@ -38,10 +37,10 @@ def _job(js: dict, stage: str) -> dict:
 
 
 def _recipe(docs: list[dict]):
-    from eagle_jobs.recipe import Recipe
+    from eagle_jobs.recipe_file import recipe_from_text
 
     cm = next(d for d in docs if d["kind"] == "ConfigMap" and "recipe.yaml" in d.get("data", {}))
-    return Recipe.model_validate(yaml.safe_load(cm["data"]["recipe.yaml"]))
+    return recipe_from_text(cm["data"]["recipe.yaml"])
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -21,7 +21,7 @@ from eagle_jobs import cluster
 from eagle_jobs.cluster import WatchExit
 
 REPO = Path(__file__).resolve().parents[1]
-OVERLAYS = ["dev", "smoke", "full", "full-multinode"]
+OVERLAYS = ["dev", "smoke", "full", "full-multinode", "qwen3-8b-1gpu"]
 OOM = failed_pod(worker=137)  # the kernel's OOM kill: retried
 
 

@@ -21,6 +21,7 @@ from conftest import kustomize
 
 from eagle_jobs.plan import make_plan
 from eagle_jobs.recipe import Recipe
+from eagle_jobs.recipe_file import recipe_from_text
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,7 +85,7 @@ def _rj(js, name):
 
 def _recipe(docs) -> Recipe:
     cm = next(d for d in docs if d["kind"] == "ConfigMap" and "recipe.yaml" in d.get("data", {}))
-    return Recipe.model_validate(yaml.safe_load(cm["data"]["recipe.yaml"]))
+    return recipe_from_text(cm["data"]["recipe.yaml"])
 
 
 def _gpus(pod: dict) -> int:

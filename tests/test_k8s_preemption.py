@@ -20,7 +20,7 @@ from k8s_failure_sim import failed_pod, run_jobset
 from conftest import kustomize
 
 REPO = Path(__file__).resolve().parents[1]
-OVERLAYS = ["dev", "smoke", "full", "full-multinode"]
+OVERLAYS = ["dev", "smoke", "full", "full-multinode", "qwen3-8b-1gpu"]
 SLOW_STORE_BPS = 100e6  # a store slower than this makes the SIGTERM save the operator's to size
 
 
@@ -40,12 +40,12 @@ def _pod(js: dict, stage: str) -> dict:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_train_pods_grace_fits_one_checkpoint_save(rendered, overlay):
     from eagle_jobs.plan import checkpoint_save_s, make_plan
-    from eagle_jobs.recipe import Recipe
+    from eagle_jobs.recipe_file import recipe_from_text
     from eagle_jobs.train import RANK_SHUTDOWN_TIMEOUT_S
 
     docs = rendered[overlay]
     cm = next(d for d in docs if d["kind"] == "ConfigMap" and "recipe.yaml" in d.get("data", {}))
-    recipe = Recipe.model_validate(yaml.safe_load(cm["data"]["recipe.yaml"]))
+    recipe = recipe_from_text(cm["data"]["recipe.yaml"])
     ckpt = make_plan(recipe)["train_checkpoint"]
     save_s = checkpoint_save_s(ckpt["bytes"], min(recipe.plan.store_bytes_per_s, SLOW_STORE_BPS))
     # the ranks save within torchrun's shutdown timeout, and that within the pod's grace, with time to exit

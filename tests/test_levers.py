@@ -21,10 +21,11 @@ from conftest import REPO, draft_and_batch, write_prompts
 
 from eagle_jobs import vllm_cpu
 from eagle_jobs.errors import BadInput, ExitCode
-from eagle_jobs.recipe import LossName, load_recipe
+from eagle_jobs.recipe import LossName
+from eagle_jobs.recipe_file import load_recipe
 
 BASE = (REPO / "jobs/demo.yaml").read_text()
-TRAIN, DRAFT = "train:\n  epochs: 4\n", "draft:\n  num_layers: 1\n"
+TRAIN, DRAFT = "train:\n  epochs: 4\n", "draft:\n  draft_vocab_size: 4096\n"
 
 # Two lever sets between them turn every switch both ways. EAGLE31 is what the brief names: the qwen3
 # layer, every EAGLE-3.1 norm on (fc_norm excludes norm_before_fc), lk_hybrid with its eta, Muon.
@@ -57,10 +58,10 @@ def test_loss_names_are_speculators_own():
     (DRAFT, DRAFT + "  architecture: mistral\n", ["draft.architecture", "'llama' or 'qwen3'"]),
     (DRAFT, DRAFT + "  norms: {fc_norm: true}\n", ["mutually exclusive", "norm_before_fc: false"]),
     (DRAFT, DRAFT + "  norms: {fc_nrom: true}\n", ["unknown key 'draft.norms.fc_nrom'"]),
-    ("  optimizer: muon ", "  optimizer: sgd ", ["train.optimizer", "'adamw' or 'muon'"]),
-    ("  optimizer: muon ", "  optimizer: adamw\n  muon: {lr: 0.02}\n ", ["needs train.optimizer: muon"]),
-    ("  optimizer: muon ", "  optimizer: muon\n  muon: {adjust_lr_fn: rms}\n ", ["'original' or 'match_rms_adamw'"]),
-    ("  ttt_steps: 3", "  ttt_steps: 0", ["train.ttt_steps", "greater than 0"]),
+    (TRAIN, TRAIN + "  optimizer: sgd\n", ["train.optimizer", "'adamw' or 'muon'"]),
+    (TRAIN, TRAIN + "  optimizer: adamw\n  muon: {lr: 0.02}\n", ["needs train.optimizer: muon"]),
+    (TRAIN, TRAIN + "  muon: {adjust_lr_fn: rms}\n", ["'original' or 'match_rms_adamw'"]),
+    (TRAIN, TRAIN + "  ttt_steps: 0\n", ["train.ttt_steps", "greater than 0"]),
     (TRAIN, TRAIN + "  warmup_ratio: 1.5\n", ["train.warmup_ratio", "less than or equal to 1"]),
 ])
 def test_a_bad_lever_value_is_one_line_naming_what_is_allowed(tmp_path, old, new, says):

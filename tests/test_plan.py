@@ -5,7 +5,7 @@ import pytest
 
 from conftest import draft_and_batch
 from eagle_jobs.plan import make_plan
-from eagle_jobs.recipe import load_recipe
+from eagle_jobs.recipe_file import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ import yaml
 
 from eagle_jobs.hsformat import bytes_per_token
 from eagle_jobs.plan import SCALE_MODES, parse_scales, price_mode, scale_basis, scale_markdown, scale_table, make_plan
-from eagle_jobs.recipe import load_recipe
+from eagle_jobs.recipe_file import load_recipe
 from conftest import kustomize
 
 REPO = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from eagle_jobs.errors import BadInput
-from eagle_jobs.recipe import load_recipe
+from eagle_jobs.recipe_file import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,13 +45,13 @@ def test_unknown_key_names_file_and_key(tmp_path):
 
 
 @pytest.mark.parametrize("old,new,key", [
-    ("  lr: 1.0e-3", "  lr: -1", "train.lr"),
-    ("aux_layer_ids: [2, 15, 27]", "aux_layer_ids: [2, 2]", "aux_layer_ids"),
+    ("  epochs: 4\n", "  epochs: 4\n  lr: -1\n", "train.lr"),
+    ("name: demo\n", "name: demo\naux_layer_ids: [2, 2]\n", "aux_layer_ids"),
     # vLLM returns aux states in ascending layer order, whatever the list says
-    ("aux_layer_ids: [2, 15, 27]", "aux_layer_ids: [15, 2, 27]", "strictly ascending"),
+    ("name: demo\n", "name: demo\naux_layer_ids: [15, 2, 27]\n", "strictly ascending"),
     # id 0 crashes vLLM's DeepSeek/Kimi aux capture (a None residual)
-    ("aux_layer_ids: [2, 15, 27]", "aux_layer_ids: [0, 15, 27]", ">= 1"),
-    ("  backend: vllm\n  concurrency: 128", "  backend: tensorrt\n  concurrency: 128", "capture.backend"),
+    ("name: demo\n", "name: demo\naux_layer_ids: [0, 15, 27]\n", ">= 1"),
+    ("  concurrency: 128", "  backend: tensorrt\n  concurrency: 128", "capture.backend"),
 ])
 def test_impossible_values_rejected(tmp_path, old, new, key):
     assert old in BASE
@@ -103,7 +103,7 @@ def test_extract_refuses_pipeline_parallelism_in_one_line(tmp_path):
     import yaml
 
     from eagle_jobs.errors import BadInput
-    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.recipe_file import load_recipe
 
     base = yaml.safe_load((REPO / "jobs/kimi-k2.5.yaml").read_text())
     for args, refused in ((["--pipeline-parallel-size", "2"], True), (["-pp=4"], True),

@@ -76,7 +76,7 @@ def test_the_train_launcher_passes_exactly_these_arguments(monkeypatch, tmp_path
     """run_ranks (the pod's `eagle-jobs train`) hands torchrun what torchrun_rendezvous_args renders."""
     from eagle_jobs import train
     from eagle_jobs.errors import EagleJobsError
-    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.recipe_file import load_recipe
     from eagle_jobs.store import Store
 
     seen = []
@@ -116,7 +116,7 @@ def test_a_torchrun_without_shutdown_timeout_gets_no_such_flag(monkeypatch, tmp_
 
     from eagle_jobs import train
     from eagle_jobs.errors import EagleJobsError
-    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.recipe_file import load_recipe
     from eagle_jobs.store import Store
 
     real = torchrun.get_args_parser

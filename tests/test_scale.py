@@ -138,7 +138,7 @@ def test_no_pod_memory_grows_with_the_corpus(tmp_path):
     # what the overlay renders follows from this measurement: each pod, extrapolated to the recipe's counts
     # (its limit and 1 M conversations) along the slope just measured, with an extraction worker's shard in
     # flight at the real scale, fits its memory limit with headroom and beats within its startup probe
-    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.recipe_file import load_recipe
 
     limit_rows = load_recipe(REPO / "jobs/kimi-k2.5.yaml").prompts.limit
     for a, b in zip(small["pods"], large["pods"]):

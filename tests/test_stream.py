@@ -30,7 +30,7 @@ from eagle_jobs.capture import run_capture
 from eagle_jobs.committed import RowRef, read_rows
 from eagle_jobs.errors import BadInput
 from eagle_jobs.pipeline import run_streamed
-from eagle_jobs.recipe import load_recipe
+from eagle_jobs.recipe_file import load_recipe
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.train import stream_groups
 from eagle_jobs.train_data import StreamBatchSampler

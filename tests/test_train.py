@@ -340,7 +340,7 @@ def test_kimi_recipe_shape_is_the_reference(tmp_path):
     from types import SimpleNamespace
 
     from eagle_jobs.draft import resolve_shape
-    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.recipe_file import load_recipe
 
     kimi_text = SimpleNamespace(num_hidden_layers=61, hidden_size=7168, vocab_size=163840, num_attention_heads=64,
                                 num_key_value_heads=64, intermediate_size=18432, kv_lora_rank=512)

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from conftest import embedded_smollm2_except, free_port, write_prompts
 from eagle_jobs import vllm_cpu
 from eagle_jobs.errors import BadInput
-from eagle_jobs.recipe import Recipe, VerifierSpec, load_recipe
+from eagle_jobs.recipe import Recipe, VerifierSpec
+from eagle_jobs.recipe_file import load_recipe
 from eagle_jobs.store import Store
 from eagle_jobs.verifier import resolve_path
 from eagle_jobs.weights import local_copy, mirror, read_manifest

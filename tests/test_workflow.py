@@ -102,7 +102,7 @@ def test_the_schedule_does_not_fire_before_a_run_of_the_recipe_ends():
     training, evaluation); submit refuses an overlapping run anyway (exit 11), and the workflow reports that
     instead of failing."""
     from eagle_jobs.plan import make_plan
-    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.recipe_file import load_recipe
 
     wf = yaml.safe_load(WF.read_text())
     (cron,) = [c["cron"] for c in _on(wf)["schedule"]]

@@ -108,7 +108,7 @@ def rehearsal_recipe(recipe_path: Path, work: Path, n: int, token_scale: float, 
     from eagle_jobs.draft import stored_layer_ids
     from eagle_jobs.hsformat import bytes_per_token, resolve_storage
     from eagle_jobs.plan import make_plan
-    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.recipe_file import load_recipe
 
     r = load_recipe(recipe_path)
     layers = len(stored_layer_ids(r.aux_layer_ids, r.verifier.num_layers))
@@ -238,7 +238,7 @@ def shard_in_flight(recipe, plan: dict, layers: int) -> int:
 def rehearse(recipe_path: Path, n: int, out: Path, token_scale: float, hidden_div: int, steady: int) -> dict:
     import boto3
 
-    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.recipe_file import load_recipe
 
     work = out / f"work-{n}"
     work.mkdir(parents=True, exist_ok=True)

@@ -78,7 +78,7 @@ NumOpt = Annotated[Optional[int], typer.Option("--num-shards",
 
 
 def _context(recipe_path: Path, store: str | None, run_id: str | None):
-    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.recipe_file import load_recipe
     from eagle_jobs.store import Store
 
     recipe = load_recipe(recipe_path)  # checks the recipe's store.run_id
@@ -249,7 +249,7 @@ def plan(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None, scale
     corpora of those sizes would cost in each data mode (docs/OPERATIONS.md#anchor-scale-runs).
     """
     from eagle_jobs.plan import print_plan, print_scale
-    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.recipe_file import load_recipe
 
     conversations = _scales(scale)  # a bad list is refused before the recipe is read
     r = load_recipe(recipe)
@@ -287,6 +287,65 @@ def prompts_build(
         print(f"  {s['source']}: {s['taken']:,} taken of {s['rows_read']:,} read ({s['duplicates']:,} duplicates, "
               f"{s['rejected']:,} rejected)")
     print(f"prompts build: {m['conversations']:,} conversations -> {out} (sha256 {m['sha256'][:16]}...)")
+
+
+recipe_app = typer.Typer(no_args_is_help=True, help="Recipes: check one, show one resolved, print the reference.")
+app.add_typer(recipe_app, name="recipe")
+
+
+def _recipe_and_stated(path: Path):
+    import yaml
+
+    from eagle_jobs.recipe_file import load_recipe
+
+    recipe = load_recipe(path)  # a missing or unreadable file is refused here
+    return recipe, yaml.safe_load(path.read_text())
+
+
+@recipe_app.command("check", epilog=EXIT_CODES)
+def recipe_check(recipe: RecipeOpt):
+    """Check a recipe without starting anything: every key against the schema, then the aux layers and the
+    draft's shape against the verifier's config (or verifier.num_layers and the draft keys where it is remote).
+
+    Example: eagle-jobs recipe check --recipe jobs/qwen3-8b.yaml
+
+    Writes nothing. Prints one line: the aux layers (stated or derived) and the draft's shape; exit 3 with the
+    key and the reason when the recipe cannot run.
+    """
+    from eagle_jobs.recipe_view import check_line
+
+    print(check_line(*_recipe_and_stated(recipe)))
+
+
+@recipe_app.command("show", epilog=EXIT_CODES)
+def recipe_show(recipe: RecipeOpt):
+    """Print the recipe resolved: every default filled in, the aux layers, the draft's shape, the storage dtype
+    and the plan's time per stage (`eagle-jobs plan` for the whole estimate).
+
+    Example: eagle-jobs recipe show --recipe jobs/demo.yaml
+
+    Writes nothing. The YAML it prints is itself a recipe that runs the same.
+    """
+    from eagle_jobs.recipe_view import show_text
+
+    print(show_text(*_recipe_and_stated(recipe)))
+
+
+@recipe_app.command("reference", epilog=EXIT_CODES)
+def recipe_reference(out: Annotated[Optional[Path], typer.Option(help="write it here (default: print it)")] = None):
+    """Print every recipe key with its type, default, bounds and meaning, from the schema (docs/RECIPE.md).
+
+    Example: eagle-jobs recipe reference --out docs/RECIPE.md
+
+    Writes --out when given.
+    """
+    from eagle_jobs.recipe_view import reference_markdown
+
+    text = reference_markdown()
+    if out is None:
+        print(text, end="")
+    else:
+        out.write_text(text)
 
 
 @app.command(epilog=EXIT_CODES)
@@ -454,7 +513,7 @@ def mirror_verifier(recipe: RecipeOpt):
 
     Every vLLM pod then streams the weights from the store instead of downloading them from the hub.
     """
-    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.recipe_file import load_recipe
     from eagle_jobs.weights import mirror
 
     mirror(load_recipe(recipe).verifier)

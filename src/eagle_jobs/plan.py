@@ -33,7 +33,7 @@ def _human(n: float, unit: str = "B") -> str:
     return f"{n} {unit}"
 
 
-def _duration(s: float) -> str:
+def duration_text(s: float) -> str:
     return f"{s / 3600:.1f} h" if s >= 5400 else f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
 
 
@@ -55,7 +55,7 @@ def draft_parameters(s: DraftShape, num_aux: int, draft: DraftSpec) -> dict[str,
     return {"trainable": trainable, "total": total, "saved": total - s.draft_vocab_size * H - H}
 
 
-def _verifier_text_config(recipe: Recipe):
+def verifier_text_config(recipe: Recipe):
     """The verifier's text config if it can be read here; otherwise the recipe's own numbers."""
     from pathlib import Path
     from types import SimpleNamespace
@@ -118,7 +118,7 @@ def checkpoint_save_s(nbytes: float, store_bytes_per_s: float) -> float:
 
 
 def make_plan(recipe: Recipe) -> dict:
-    tcfg = _verifier_text_config(recipe)
+    tcfg = verifier_text_config(recipe)
     shape = resolve_shape(recipe, tcfg)
     convs, gens, prompt_toks = _prompt_stats(recipe)
     gen_toks = recipe.sampling.max_new_tokens  # an upper bound: every answer runs to max_new_tokens
@@ -215,9 +215,9 @@ def print_plan(recipe: Recipe, store=None, run_id: str | None = None, as_json: b
     for c in ("stage", "time", "objects", "store writes", "store reads", "deadline >="):
         t.add_column(c)
     for name, s in p["stages"].items():
-        t.add_row(name, _duration(s["time_s"]), f"{s['objects']:,}", _human(s["write_bytes"]), _human(s["read_bytes"]),
-                  f"{s['deadline_floor_s']:,} s")
-    t.add_row("total", _duration(p["total_time_s"]), f"{p['total_objects']:,}", "", "")
+        t.add_row(name, duration_text(s["time_s"]), f"{s['objects']:,}", _human(s["write_bytes"]),
+                  _human(s["read_bytes"]), f"{s['deadline_floor_s']:,} s")
+    t.add_row("total", duration_text(p["total_time_s"]), f"{p['total_objects']:,}", "", "")
     console.print(t)
     return p
 
@@ -414,7 +414,7 @@ def scale_table(recipe: Recipe, conversations: list[int]) -> dict:
 
 
 def _wall(s: float) -> str:
-    return f"{s / 86400:,.1f} d" if s >= 2 * 86400 else _duration(s)
+    return f"{s / 86400:,.1f} d" if s >= 2 * 86400 else duration_text(s)
 
 
 def _gpu_cell(h: float) -> str:

