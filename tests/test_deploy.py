@@ -9,7 +9,7 @@ import json
 import shlex
 
 import pytest
-from test_speedup import _surface
+from pipeline_helpers import _surface
 
 from eagle_jobs import vllm_cpu
 from eagle_jobs.deploy import DRAFT_PLACEHOLDER, OPEN_END, advise, choose, ranges_of, serve_line, with_draft
@@ -56,7 +56,12 @@ def test_the_advice_is_a_static_k_a_schedule_or_no_draft():
     never = advise(r, {"a": _surface({(1, 1): 0.9, (1, 8): 0.5})})
     assert never is not None and never["speculative_config"] is None and never["no_gain_from"] == 1
     assert "--speculative-config" not in never["command"] and "serve without a draft" in never["note"]
-    assert advise(r, {"a": None}) is None  # speed not measured: nothing to recommend
+    # speed not measured (the sidecar's evaluate): the config tau was measured at, and no claim that it pays
+    unmeasured = advise(r, {"a": None})
+    assert unmeasured["by_level"] == [] and unmeasured["ranges"] == [] and "speed not measured" in unmeasured["note"]
+    assert unmeasured["speculative_config"] == {"method": "eagle3", "model": DRAFT_PLACEHOLDER,
+                                                "num_speculative_tokens": r.evaluate.k}
+    assert "--speculative-config" in unmeasured["command"]
 
 
 def test_the_serve_line_is_the_measured_command_with_the_draft_in_it():
@@ -69,6 +74,23 @@ def test_the_serve_line_is_the_measured_command_with_the_draft_in_it():
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert spec == advice["speculative_config"] and spec["model"] == "/drafts/v1"
     assert "--per-request-spec-decode-metrics" not in argv  # a measurement flag, not for serving
+
+
+@needs_vllm
+def test_without_a_speed_pass_the_line_serves_the_draft_as_tau_was_measured():
+    """The sidecar's evaluate measures no speed: the line is the evaluate server's command at k, and vLLM's own
+    parser reads the same --speculative-config from it."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    r = _recipe()
+    advice = with_draft(advise(r, {"a": None}), "/drafts/v1")
+    argv = shlex.split(serve_line(advice))
+    argv = argv[argv.index("vllm"):]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:])
+    assert args.speculative_config == {"method": "eagle3", "model": "/drafts/v1",
+                                       "num_speculative_tokens": r.evaluate.k}
+    assert "num_speculative_tokens_per_batch_size" not in args.speculative_config
 
 
 @needs_vllm

@@ -77,11 +77,23 @@ def config_for(ranges: list[ServingRange], draft: str) -> dict | None:
     return spec
 
 
-def advise(recipe: Recipe, tables: dict[str, SpeedTable | None]) -> ServingAdvice | None:
-    """The config to deploy from the sets' surfaces; None where speed was not measured."""
+def as_measured(recipe: Recipe) -> ServingAdvice:
+    """Where speed was not measured (evaluate on the pod's vLLM sidecar, or the transformers backend): the
+    config τ was measured at, k = evaluate.k on evaluate's server, with no claim about where it pays."""
+    ev = recipe.evaluate
+    spec = speculative_config(DRAFT_PLACEHOLDER, ev.k)
+    plan = ServePlan(ev.vllm, recipe.verifier, ("--speculative-config", json.dumps(spec)))
+    note = (f"speed not measured: the config τ was measured at (k {ev.k}); whether it pays, and up to which "
+            "concurrency, takes the speed pass (`eagle-jobs evaluate` on the vllm backend with servers of its own)")
+    return {"by_level": [], "ranges": [], "no_gain_from": None, "speculative_config": spec,
+            "command": plan.command(), "env": plan.env({}), "note": note}
+
+
+def advise(recipe: Recipe, tables: dict[str, SpeedTable | None]) -> ServingAdvice:
+    """The config to deploy from the sets' surfaces; where speed was not measured, the config τ was measured at."""
     timed = {n: t for n, t in tables.items() if t and t.get("surface")}
     if not timed:
-        return None
+        return as_measured(recipe)
     levels = choose(timed)
     ranges = ranges_of(levels)
     spec = config_for(ranges, DRAFT_PLACEHOLDER)

@@ -74,8 +74,8 @@ def check_speedup(report: dict, run_id: str, min_speedup: float | None) -> None:
 
 
 def serving_of(report: dict, dest: Store, prefix: str, run_id: str) -> dict | None:
-    """The recommended serving config with the promoted draft's directory in it (None: speed was not
-    measured). A file:// destination's version directory is the draft vLLM loads; from S3 it is first
+    """The serving config with the promoted draft's directory in it (None: a report from before evaluate
+    wrote one). A file:// destination's version directory is the draft vLLM loads; from S3 it is first
     copied to ./eagle3-<run-id> (the `download` line)."""
     from eagle_jobs.deploy import serve_line, with_draft
 

@@ -300,13 +300,15 @@ def _serving_section(report: EvalReport) -> list[str]:
     advice = report.get("serving")
     if not advice:
         return []
-    rows = ["## Serve this draft", "", advice["note"] + ".", "",
-            "| concurrency | fastest k | its speedup | serve with |", "|---|---|---|---|"]
-    for lv in advice["by_level"]:
-        rows.append(f"| {lv['concurrency']} | {lv['best_k']} | {lv['speedup']:.2f}x | {_k_text(lv['k'])} |")
-    rows += ["", "Batch sizes and k: " + ", ".join(f"{_range_text(r)} → {_k_text(r['k'])}" for r in advice["ranges"])
-             + ".", "", "The command evaluate measured, with this config (`promote` writes it with the promoted "
-             "draft's directory in place of DRAFT_DIR):", "", "```", serve_line(advice), "```", ""]
+    rows = ["## Serve this draft", "", advice["note"] + ".", ""]
+    if advice["by_level"]:
+        rows += ["| concurrency | fastest k | its speedup | serve with |", "|---|---|---|---|"]
+        for lv in advice["by_level"]:
+            rows.append(f"| {lv['concurrency']} | {lv['best_k']} | {lv['speedup']:.2f}x | {_k_text(lv['k'])} |")
+        rows += ["", "Batch sizes and k: " + ", ".join(f"{_range_text(r)} → {_k_text(r['k'])}"
+                                                       for r in advice["ranges"]) + ".", ""]
+    rows += ["The command evaluate measured, with this config (`promote` writes it with the promoted draft's "
+             "directory in place of DRAFT_DIR):", "", "```", serve_line(advice), "```", ""]
     return rows
 
 
