@@ -1,4 +1,4 @@
-"""Which epoch to ship: served tau per epoch checkpoint against training's estimate (#21 item 5).
+"""Which epoch to ship: served tau per epoch checkpoint against training's estimate.
 
 train exports the epoch with the best teacher-forced tau estimate (train.select_epoch: 1 + sum of
 the held-out full_acc_i). `eagle-jobs rank-epochs` checks that choice against what users get: each

@@ -493,15 +493,16 @@ class Throughputs(Section):
     beside the value (or says the recipe set it)."""
 
     capture_tokens_per_s: float = Field(default=2500.0, gt=0, description=(
-        "answer tokens/s one vLLM server decodes; stated at the foundation commit 93553da, never measured"))
+        "answer tokens/s one vLLM server decodes; an estimate, not a measurement"))
     extract_tokens_per_s: float = Field(default=20000.0, gt=0, description=(
         "tokens/s one vLLM server prefills with extract_hidden_states (extraction is prefill only, so a re-extracted "
-        "epoch runs at this rate too); stated at 93553da, never measured"))
+        "epoch runs at this rate too); an estimate, not a measurement"))
     train_samples_per_s_per_gpu: float = Field(default=0.5, gt=0, description=(
         "the seed run, Kimi-K2.5's draft trained by hand: 10 samples x 3 epochs in about a minute on one RTX PRO 6000"))
-    eval_tokens_per_s: float = Field(default=300.0, gt=0, description="stated at 93553da, never measured")
+    eval_tokens_per_s: float = Field(default=300.0, gt=0, description=(
+        "answer tokens/s of evaluation; an estimate, not a measurement"))
     store_bytes_per_s: float = Field(default=500e6, gt=0, description=(
-        "bytes/s one pod writes to or reads from the store; stated at 93553da, never measured"))
+        "bytes/s one pod writes to or reads from the store; an estimate, not a measurement"))
     gpus_per_node: int = Field(default=8, gt=0, description=(
         "GPUs of one capture, extract or train pod in k8s/overlays/full (docs/OPERATIONS.md#node-sizes)"))
     capture_nodes: int = Field(default=1, gt=0, description="capture pods in k8s/overlays/full")

@@ -59,10 +59,10 @@ And one patch of module state, for GPUs:
    On a GPU the draft's forward (the loss included) runs under torch.compile,
    and torch 2.11's dynamo stops there: "ListVariable(length=21) is already
    tracked for mutation" when the backward kernel's launch meets the list it
-   tracked from the forward's (seen on an H200 through benchmarks/gpu_check.py,
-   2026-12-04). Each autotuned kernel gets its own copy of the list; the values
+   tracked from the forward's (benchmarks/gpu_check.py on an H200 shows it).
+   Each autotuned kernel gets its own copy of the list; the values
    are unchanged.
-And for train.source stream (issue 22):
+And for train.source stream:
 13. `_setup_dataloader` builds its own MultipackDistributedBatchSamplerV2 over the
    dataset's lengths, shuffled across the whole epoch. `stream_dataloader` builds the
    same DataLoader (CollateFn, workers by spawn, pinned memory) around the stream's
@@ -74,7 +74,7 @@ And one for CPUs, where the recipes' Muon would be most of a step's time:
 14. torch.optim.Muon (speculators' Muon group) orthogonalises each update by Newton-Schulz
    iterations in bf16 (torch/optim/_muon.py, `_zeropower_via_newtonschulz`). A CPU without
    AVX512-BF16/AMX runs bf16 matmuls some 15x slower than fp32 (4.4 s against 0.3 s for four
-   iterations at the demo draft's 576 x 1536 on this AVX2 machine): over the demo draft's weight
+   iterations at the demo draft's 576 x 1536 on an AVX2 CPU): over the demo draft's weight
    shapes an optimizer step took 28 s in bf16 and 1.9 s in fp32 (docs/DEMO.md). On CPU the same
    iterations run in fp32 and the update is rounded to bf16, as torch returns it; on an accelerator
    torch's own function runs. `newton_schulz_fp32` is torch 2.13's function with the dtype changed (torch

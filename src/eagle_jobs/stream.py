@@ -1,6 +1,6 @@
 """Streaming (`train.source: stream`): training reads extraction's shards in commit order while
 extraction goes on, and the store holds at most `store.window_bytes` of states training has not
-finished with (issue 22). The layer below extract and train, which never import each other:
+finished with. The layer below extract and train, which never import each other:
 
 - both plan the same shards from the same committed rows (`stream_order`): validation shards
   first (kept: each epoch's validation reads them), then the training shards, then, with
@@ -131,7 +131,7 @@ def unfinished(stage: Stage, shards: Sequence[StreamShard]) -> list[StreamShard]
     Committed first, consumed second: training writes the consumed marker before it deletes the data
     (`mark_consumed`), so a shard whose data goes between the two reads is in the second. Read the other
     way round, such a shard was neither, and extracted and committed again beside a running trainer
-    (tests/test_stream.py, 2026-12-06)."""
+    (tests/test_stream.py)."""
     committed = stage.committed_names()
     pending = [s for s in shards if s.name not in committed]
     done = consumed(stage.store, stage.run_id)

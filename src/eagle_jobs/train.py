@@ -249,7 +249,7 @@ RANK_SHUTDOWN_TIMEOUT_S = 270
 
 
 def torchrun_has_shutdown_timeout() -> bool:
-    """Whether this torch's torchrun takes --shutdown_timeout (torch 2.13 does; 2.11, on a lent H200, did not)."""
+    """Whether this torch's torchrun takes --shutdown_timeout (torch 2.13 does; 2.11 does not)."""
     from torch.distributed.run import get_args_parser
 
     return any("--shutdown_timeout" in a.option_strings for a in get_args_parser()._actions)
