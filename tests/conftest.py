@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+# pytest's own `pytester` fixture: tests/test_tiers.py parses a command line as pytest does
+pytest_plugins = ["pytester"]
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -237,8 +240,8 @@ def draft_call_kwargs(recipe, loss_implementation: str) -> dict:
 # the fixtures and modules a test uses; train and index are read from the source; vllm is marked per module
 # or per test, and the guard below fails a test that starts real vLLM without the marker, so the fast tier
 # stays fast.
-K8S_MODULES = {"test_k8s", "test_k8s_compare", "test_k8s_admission", "test_k8s_failure", "test_cluster", "test_workflow",
-               "test_images", "test_guard", "test_k8s_pools", "test_qwen3_recipe"}
+K8S_MODULES = {"test_k8s", "test_k8s_compare", "test_k8s_admission", "test_k8s_failure", "test_cluster",
+               "test_workflow", "test_images", "test_guard", "test_k8s_pools", "test_qwen3_recipe"}
 REAL_VLLM = {str(Path(sys.executable).parent / "vllm"), "eagle_jobs.vllm_cpu"}
 
 
@@ -291,7 +294,8 @@ def _scan(f) -> tuple[frozenset[str], frozenset[str]]:
         tree = ast.parse(inspect.cleandoc(src) if src[0].isspace() else src)
     except SyntaxError:
         return found, frozenset()
-    return found, frozenset(n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name))
+    return found, frozenset(n.func.id for n in ast.walk(tree)
+                            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -390,6 +394,21 @@ def pytest_runtest_protocol(item, nextitem):
         f.write(json.dumps({"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "-"),
                             "end": round(time.time(), 1), "wall": round(time.monotonic() - t0, 1),
                             "self": round(s1 - s0, 1), "children": round(c1 - c0, 1)}) + "\n")
+
+
+# -- the shipped overlays and the manifests shared by every run, rendered once a module (tests/test_k8s*.py) --
+OVERLAYS = ["dev", "smoke", "full", "full-multinode", "qwen3-8b-1gpu"]
+SHARED = ["cluster-setup", "dev-services"]  # applied once per cluster, never by a run
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {o: kustomize(REPO / "k8s/overlays" / o) for o in OVERLAYS}
+
+
+@pytest.fixture(scope="module")
+def shared_rendered() -> dict[str, list[dict]]:
+    return {k: kustomize(REPO / "k8s" / k) for k in SHARED}
 
 
 # -- the fake Kubernetes API server (tests/fake_kube.py) with k8s/cluster-setup applied, as an admin leaves it --

@@ -137,10 +137,12 @@ class FakeKube:
         if not pod.get("spec", {}).get("nodeName") and not (pod.get("status") or {}).get("containerStatuses"):
             return 400, status(400, "BadRequest", f"pod {name} does not have a host assigned")
         st = pod.get("status") or {}
-        cs = {c["name"]: c for c in st.get("initContainerStatuses", []) + st.get("containerStatuses", [])}.get(container)
+        cs = {c["name"]: c
+              for c in st.get("initContainerStatuses", []) + st.get("containerStatuses", [])}.get(container)
         if cs is None or "waiting" in (cs.get("state") or {}):
             reason = ((cs or {}).get("state", {}).get("waiting") or {}).get("reason", "PodInitializing")
-            return 400, status(400, "BadRequest", f"container \"{container}\" in pod \"{name}\" is waiting to start: {reason}")
+            return 400, status(400, "BadRequest",
+                               f"container \"{container}\" in pod \"{name}\" is waiting to start: {reason}")
         text = self.logs.get((ns, name, container))
         if text is None and container == "worker":
             text = self.logs.get((ns, name))
@@ -148,10 +150,13 @@ class FakeKube:
 
     def apply(self, coll: str, name: str, body: dict, q: dict, content_type: str) -> tuple[int, dict]:
         if content_type.split(";")[0] != "application/apply-patch+yaml":
-            return 415, status(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - accepted media types include: application/apply-patch+yaml; got {content_type}")
+            return 415, status(415, "UnsupportedMediaType",
+                               "the body of the request was in an unknown format - accepted media types include: "
+                               f"application/apply-patch+yaml; got {content_type}")
         manager = (q.get("fieldManager") or [None])[0]
         if not manager:
-            return 400, status(400, "BadRequest", "PatchOptions.meta.k8s.io \"\" is invalid: fieldManager: Required value: is required for apply patch")
+            return 400, status(400, "BadRequest", "PatchOptions.meta.k8s.io \"\" is invalid: fieldManager: "
+                                                  "Required value: is required for apply patch")
         force = (q.get("force") or ["false"])[0] == "true"
         with self.lock:
             cur = self.objects.get((coll, name))
@@ -162,20 +167,25 @@ class FakeKube:
                 owners = {m["manager"] for m in cur["metadata"].get("managedFields", [])}
                 if owners - {manager} and not force:
                     other = sorted(owners - {manager})[0]
-                    return 409, status(409, "Conflict", f"Apply failed with 1 conflict: conflict with \"{other}\": .spec")
-                if body.get("kind") == "JobSet" and cur.get("spec", {}).get("replicatedJobs") != body.get("spec", {}).get("replicatedJobs"):
-                    return 422, status(422, "Invalid", f"JobSet.jobset.x-k8s.io \"{name}\" is invalid: spec.replicatedJobs: Invalid value: \"object\": field is immutable")
+                    return 409, status(409, "Conflict",
+                                       f"Apply failed with 1 conflict: conflict with \"{other}\": .spec")
+                if (body.get("kind") == "JobSet"
+                        and cur.get("spec", {}).get("replicatedJobs") != body.get("spec", {}).get("replicatedJobs")):
+                    return 422, status(422, "Invalid",
+                                       f"JobSet.jobset.x-k8s.io \"{name}\" is invalid: spec.replicatedJobs: "
+                                       "Invalid value: \"object\": field is immutable")
             obj = json.loads(json.dumps(body))
             md = obj.setdefault("metadata", {})
             md["managedFields"] = [{"manager": manager, "operation": "Apply", "apiVersion": obj.get("apiVersion"),
-                                    "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "fieldsType": "FieldsV1",
-                                    "fieldsV1": {}}]
+                                    "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                    "fieldsType": "FieldsV1", "fieldsV1": {}}]
             if cur is not None:
                 md["uid"] = cur["metadata"]["uid"]
                 md["creationTimestamp"] = cur["metadata"]["creationTimestamp"]
                 if "status" in cur:
                     obj["status"] = cur["status"]
-                unchanged = {k: v for k, v in cur.items() if k != "metadata"} == {k: v for k, v in obj.items() if k != "metadata"}
+                unchanged = ({k: v for k, v in cur.items() if k != "metadata"}
+                             == {k: v for k, v in obj.items() if k != "metadata"})
                 self.objects[(coll, name)] = obj
                 if unchanged:
                     md["resourceVersion"] = cur["metadata"]["resourceVersion"]
@@ -212,7 +222,8 @@ class FakeKube:
                 for rx in ITEM:
                     m = rx.match(u.path)
                     if m:
-                        code, obj = fake.apply(m["coll"], m["name"], body, parse_qs(u.query), self.headers.get("Content-Type", ""))
+                        code, obj = fake.apply(m["coll"], m["name"], body, parse_qs(u.query),
+                                               self.headers.get("Content-Type", ""))
                         return self._send(code, obj)
                 self._send(404, status(404, "NotFound", f"the server could not find the requested resource {u.path}"))
 
@@ -228,10 +239,11 @@ class FakeKube:
                     if q.get("watch") == ["true"]:
                         return self._watch(u.path, q)
                     with fake.lock:
-                        items = [o for (c, _n), o in sorted(fake.objects.items()) if c == u.path and fake._matches(o, q)]
+                        items = [o for (c, _n), o in sorted(fake.objects.items())
+                                 if c == u.path and fake._matches(o, q)]
                         kind = (items[0]["kind"] if items else "Object") + "List"
-                        return self._send(200, {"kind": kind, "apiVersion": "v1", "metadata": {"resourceVersion": str(fake.rv)},
-                                                "items": items})
+                        return self._send(200, {"kind": kind, "apiVersion": "v1",
+                                                "metadata": {"resourceVersion": str(fake.rv)}, "items": items})
                 for rx in ITEM:
                     m = rx.match(u.path)
                     if m:
@@ -256,7 +268,8 @@ class FakeKube:
                     self.wfile.flush()
 
                 if rv and rv < fake.oldest_rv:
-                    chunk({"type": "ERROR", "object": status(410, "Expired", f"too old resource version: {rv} ({fake.oldest_rv})")})
+                    chunk({"type": "ERROR",
+                           "object": status(410, "Expired", f"too old resource version: {rv} ({fake.oldest_rv})")})
                     self.wfile.write(b"0\r\n\r\n")
                     return
                 end = time.monotonic() + timeout

@@ -238,11 +238,13 @@ class FakeVllm:
                 head["object"] = "chat.completion.chunk"
 
                 def chunk(delta, finish=None):
-                    return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                    return {**head,
+                            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
                 events = [chunk({"role": "assistant", "content": ""}),
                           chunk({"reasoning": msg["reasoning"]} if msg["reasoning"] else {"content": msg["content"]}),
-                          chunk({"content": msg["content"] if msg["reasoning"] else ""}, resp["choices"][0]["finish_reason"])]
+                          chunk({"content": msg["content"] if msg["reasoning"] else ""},
+                                resp["choices"][0]["finish_reason"])]
                 if include_usage:
                     events.append({**head, "choices": [], "usage": resp["usage"]})
                 data = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
@@ -271,7 +273,8 @@ class FakeVllm:
                     self.end_headers()
                     self.wfile.write(data)
                 elif self.path == "/v1/models":
-                    self._send(200, {"object": "list", "data": [{"id": fake.name, "object": "model", "owned_by": "vllm"}]})
+                    self._send(200, {"object": "list",
+                                     "data": [{"id": fake.name, "object": "model", "owned_by": "vllm"}]})
                 else:
                     self._send(404, {"error": {"message": "not found", "type": "NotFoundError", "code": 404}})
 

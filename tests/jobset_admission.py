@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import json
 import re
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import yaml
@@ -60,7 +60,7 @@ def crd_path(version: str) -> Path:
     return SCHEMAS / f"jobset.x-k8s.io_jobsets.{version}.yaml"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _schema_json(version: str) -> str:
     crd = yaml.safe_load(crd_path(version).read_text())
     (ver,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
@@ -128,7 +128,8 @@ def webhook_errors(js: dict, version: str, gates: frozenset[str] = frozenset()) 
     errs: list[tuple[str | None, str]] = []
     fp = spec.get("failurePolicy") or {}
     if "InPlaceRestart" in off and fp.get("restartStrategy") == "InPlaceRestart":
-        errs.append((None, "InPlaceRestart restart strategy cannot be set when InPlaceRestart feature gate is disabled"))
+        errs.append((None,
+                     "InPlaceRestart restart strategy cannot be set when InPlaceRestart feature gate is disabled"))
     rjobs = spec["replicatedJobs"]
     if rjobs and rjobs[0].get("dependsOn") is not None:
         errs.append((None, "DependsOn can't be set for the first ReplicatedJob"))

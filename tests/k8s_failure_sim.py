@@ -180,7 +180,8 @@ class Job:
         """The failed pods as the API server lists them (JobSet's labels, the containers that ran)."""
         return [{"apiVersion": "v1", "kind": "Pod",
                  "metadata": {"name": p["name"], "namespace": NS, "labels": self.labels},
-                 "spec": {"initContainers": [{"name": c["name"], "image": "x"} for c in p["status"]["initContainerStatuses"]],
+                 "spec": {"initContainers": [{"name": c["name"], "image": "x"}
+                                             for c in p["status"]["initContainerStatuses"]],
                           "containers": [{"name": "worker", "image": "x"}]},
                  "status": p["status"]} for p in self.pods]
 

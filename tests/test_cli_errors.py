@@ -6,18 +6,16 @@ Each case runs the installed `eagle-jobs` console script in its own process, as 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import typer
 from conftest import REPO
+from proc_helpers import one_line, run_cli
 
 from eagle_jobs.cli import app
 from eagle_jobs.errors import ExitCode
 
-EAGLE_JOBS = str(Path(sys.executable).parent / "eagle-jobs")
 COMMANDS = sorted(typer.main.get_command(app).commands)
 CLUSTER = {  # every command that talks to a cluster, with arguments that get it that far
     "submit": ["--overlay", str(REPO / "k8s/overlays/dev"), "--run-id", "demo"],
@@ -25,18 +23,6 @@ CLUSTER = {  # every command that talks to a cluster, with arguments that get it
     "watch": ["--run-id", "demo", "--timeout", "1"],
     "logs": ["--run-id", "demo"],
 }
-
-
-def run_cli(args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([EAGLE_JOBS, *args], capture_output=True, text=True, timeout=300,
-                          env=env or dict(os.environ), cwd=cwd)
-
-
-def one_line(out: subprocess.CompletedProcess) -> str:
-    assert "Traceback" not in out.stderr + out.stdout, out.stderr
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1, out.stderr
-    return lines[0]
 
 
 def test_every_command_is_covered():

@@ -34,7 +34,8 @@ def test_submit_renders_one_run_and_applies_server_side(kube):
     assert recipe_cm["metadata"]["name"] == f"eagle-jobs-recipe-ci-42-{cluster.name_suffix(recipe_cm['data'])}"
     pod = js["spec"]["replicatedJobs"][2]["template"]["spec"]["template"]["spec"]
     assert {"configMapRef": {"name": run_cm["metadata"]["name"]}} in pod["containers"][0]["envFrom"]
-    assert next(v for v in pod["volumes"] if v["name"] == "recipe")["configMap"]["name"] == recipe_cm["metadata"]["name"]
+    assert (next(v for v in pod["volumes"] if v["name"] == "recipe")["configMap"]["name"]
+            == recipe_cm["metadata"]["name"])
     # server-side apply (PATCH), never a create or replace; the GET reads the new JobSet's uid for its ConfigMaps
     assert {m for m, p in fake.requests if "jobsets" in p and "watch" not in p} == {"PATCH", "GET"}
     rv = js["metadata"]["resourceVersion"]
@@ -56,29 +57,29 @@ def test_submit_renders_one_run_and_applies_server_side(kube):
 def test_submit_with_recipe_validates_it_first(kube, tmp_path):
     fake, kc = kube
     bad = tmp_path / "bad.yaml"
-    bad.write_text((REPO / "jobs/kimi-k2.5.yaml").read_text().replace("epochs:", "epochz:"))
-    with pytest.raises(BadInput, match="epochz"):
+    bad.write_text((REPO / "jobs/kimi-k2.5.yaml").read_text().replace("  lr: 1.0e-4\n", "  lrr: 1.0e-4\n"))
+    with pytest.raises(BadInput, match="lrr"):
         cluster.submit(REPO / "k8s/overlays/full", "r1", recipe_path=bad, kubeconfig=kc)
     assert not fake.requests  # nothing applied
     good = tmp_path / "good.yaml"
-    good.write_text((REPO / "jobs/kimi-k2.5.yaml").read_text().replace("epochs: 3", "epochs: 2"))
+    good.write_text((REPO / "jobs/kimi-k2.5.yaml").read_text().replace("  lr: 1.0e-4\n", "  lr: 2.0e-4\n"))
     cluster.submit(REPO / "k8s/overlays/full", "r1", recipe_path=good, kubeconfig=kc)
-    assert "epochs: 2" in _configmap(fake, "eagle-jobs-recipe-r1-")["data"]["recipe.yaml"]
+    assert "lr: 2.0e-4" in _configmap(fake, "eagle-jobs-recipe-r1-")["data"]["recipe.yaml"]
 
 
 def test_submit_conflicts_are_one_line(kube):
     fake, kc = kube
     cluster.submit(REPO / "k8s/overlays/smoke", "c1", kubeconfig=kc)
     # the same run id with another spec: JobSet's replicatedJobs are immutable (422)
-    with pytest.raises(BadInput, match=r"refused JobSet/eagle-jobs-c1 \(422\): .*spec.replicatedJobs: .*field is immutable"):
+    with pytest.raises(BadInput,
+                       match=r"refused JobSet/eagle-jobs-c1 \(422\): .*spec.replicatedJobs: .*field is immutable"):
         cluster.submit(REPO / "k8s/overlays/full", "c1", kubeconfig=kc)
     # an object someone else manages (409 without force)
-    fake.objects[(JS, "eagle-jobs-c2")] = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-                                           "metadata": {"name": "eagle-jobs-c2", "namespace": NS, "uid": "u",
-                                                        "creationTimestamp": "2026-01-01T00:00:00Z",
-                                                        "resourceVersion": "5",
-                                                        "managedFields": [{"manager": "kubectl", "operation": "Apply"}]},
-                                           "spec": {}}
+    fake.objects[(JS, "eagle-jobs-c2")] = {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+        "metadata": {"name": "eagle-jobs-c2", "namespace": NS, "uid": "u", "creationTimestamp": "2026-01-01T00:00:00Z",
+                     "resourceVersion": "5", "managedFields": [{"manager": "kubectl", "operation": "Apply"}]},
+        "spec": {}}
     with pytest.raises(BadInput, match="managed by someone else"):
         cluster.submit(REPO / "k8s/overlays/full", "c2", kubeconfig=kc)
 
@@ -236,7 +237,8 @@ def _waiting_pod(name, stage, i, *, phase="Pending", scheduled=True, init=(), co
 
 
 WAIT = {"waiting": {"reason": "PodInitializing"}}
-PULL = {"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "ghcr.io/eagle-jobs/capture:0.1.0"'}}
+PULL = {"waiting": {"reason": "ImagePullBackOff",
+                    "message": 'Back-off pulling image "ghcr.io/eagle-jobs/capture:0.1.0"'}}
 LOOP = {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s restarting failed container=prepare"}}
 DONE = {"terminated": {"exitCode": 0, "reason": "Completed"}}
 
@@ -249,9 +251,12 @@ def _loading_since(minutes):
 def _four_waiting_pods(fake, name):
     """Pods the Job counts as 'active' alike: unschedulable, image pull, init crash loop, a model load."""
     fake.put(PODS, _waiting_pod(name, "extract", 0, scheduled=False, node=False))
-    fake.put(PODS, _waiting_pod(name, "extract", 1, init=[("prepare", PULL, 0, False)], containers=[("worker", WAIT, 0, False)]))
-    fake.put(PODS, _waiting_pod(name, "extract", 2, init=[("prepare", LOOP, 4, False)], containers=[("worker", WAIT, 0, False)]))
-    fake.put(PODS, _waiting_pod(name, "extract", 3, init=[("prepare", DONE, 0, False), ("vllm", _loading_since(90), 0, False)],
+    fake.put(PODS, _waiting_pod(name, "extract", 1, init=[("prepare", PULL, 0, False)],
+                                containers=[("worker", WAIT, 0, False)]))
+    fake.put(PODS, _waiting_pod(name, "extract", 2, init=[("prepare", LOOP, 4, False)],
+                                containers=[("worker", WAIT, 0, False)]))
+    fake.put(PODS, _waiting_pod(name, "extract", 3,
+                                init=[("prepare", DONE, 0, False), ("vllm", _loading_since(90), 0, False)],
                                 containers=[("worker", WAIT, 0, False)]))
     fake.put(JOBS, _job(name, "extract", active=4))
 
@@ -280,7 +285,8 @@ def test_watch_prints_pod_changes_and_a_heartbeat_between_them(kube, capsys):
     api = cluster.api_client(kc)
     cluster.submit(REPO / "k8s/overlays/smoke", "h1", kubeconfig=kc)
     name = "eagle-jobs-h1"
-    fake.put(PODS, _waiting_pod(name, "capture", 0, init=[("prepare", DONE, 0, False), ("vllm", _loading_since(3), 0, False)],
+    fake.put(PODS, _waiting_pod(name, "capture", 0,
+                                init=[("prepare", DONE, 0, False), ("vllm", _loading_since(3), 0, False)],
                                 containers=[("worker", WAIT, 0, False)]))
     fake.put(JOBS, _job(name, "capture", active=1))
 
@@ -291,7 +297,8 @@ def test_watch_prints_pod_changes_and_a_heartbeat_between_them(kube, capsys):
     assert cluster.watch(api, NS, "h1", timeout_s=4.5, heartbeat_s=1.0) == WatchExit.TIMEOUT
     t.join()
     err = capsys.readouterr().err
-    beats = [ln for ln in err.splitlines() if re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC eagle-jobs-h1 Running: ", ln)]
+    beats = [ln for ln in err.splitlines()
+             if re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC eagle-jobs-h1 Running: ", ln)]
     assert len(beats) >= 2, err
     assert "capture Running [eagle-jobs-h1-capture-0-0 Pending Init:vllm starting for 3m" in beats[0]
     assert err.count("pods") >= 2  # a second table once the worker runs, though the JobSet did not change
@@ -346,7 +353,8 @@ def test_submit_without_cluster_setup_says_so_and_applies_nothing(kube):
 
 def test_submit_pins_the_images_ci_built_and_records_them_for_lineage(kube):
     fake, kc = kube
-    digest = {n: f"ghcr.io/acme/eagle-jobs-{n}@sha256:{c * 64}" for n, c in (("capture", "a"), ("extract", "b"), ("train", "c"))}
+    digest = {n: f"ghcr.io/acme/eagle-jobs-{n}@sha256:{c * 64}"
+              for n, c in (("capture", "a"), ("extract", "b"), ("train", "c"))}
     with pytest.raises(BadInput, match="by digest"):
         cluster.submit(REPO / "k8s/overlays/full", "d1", kubeconfig=kc, images={"train": "ghcr.io/acme/train:latest"})
     assert not [r for r in fake.requests if r[0] == "PATCH"]

@@ -1,6 +1,5 @@
 """The embedded default through the CLI: real SmolLM2-135M-Instruct (from PyPI's GGUF) into a real S3 API."""
 
-import json
 import os
 import subprocess
 import sys

@@ -36,8 +36,9 @@ def trained(tmp_path_factory, tiny_kimi):
         "limits": {"max_prompt_tokens": 200, "max_seq_len": 256}, "aux_layer_ids": [1, 2, 3],
         "draft": {"draft_vocab_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32,
                   "intermediate_size": 128},
-        "train": {"epochs": 2, "lr": 1e-3, "total_seq_len": 256, "ttt_steps": 2},
-        "evaluate": {"num_speculative_tokens": 2, "max_new_tokens": 10},
+        "capture": {"backend": "transformers"}, "extract": {"backend": "transformers"},
+        "train": {"epochs": 2, "lr": 1e-3, "optimizer": "adamw", "total_seq_len": 256, "ttt_steps": 2},
+        "evaluate": {"backend": "transformers", "num_speculative_tokens": 2, "max_new_tokens": 10},
     })
     st = Store.open(f"file://{tmp}/store")
     run_capture(recipe, st, "r")
@@ -268,7 +269,8 @@ def test_vllm_backend_starts_servers_for_draft_baseline_and_no_draft(trained, mo
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))
     monkeypatch.delenv("EAGLE_JOBS_VLLM_ENDPOINT", raising=False)
     r = recipe.model_copy(update={"evaluate": recipe.evaluate.model_copy(update={
-        "backend": "vllm", "vllm": recipe.evaluate.vllm.model_copy(update={"port": free_port(), "health_timeout_s": 120})})})
+        "backend": "vllm",
+        "vllm": recipe.evaluate.vllm.model_copy(update={"port": free_port(), "health_timeout_s": 120})})})
     rep = run_evaluate(r, st, "r", output=Path(st.root) / "vllm-eval")
     assert rep["backend"] == "vllm" and rep["baseline_acceptance_length"] is not None
     assert rep["acceptance_length"] >= 1.0 and len(rep["per_position_acceptance"]) == 2

@@ -19,39 +19,17 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 from conftest import REPO
-from test_cli_errors import EAGLE_JOBS, one_line, run_cli
+from proc_helpers import EAGLE_JOBS, MARK, marked, one_line, run_cli, wait_gone
 
 from eagle_jobs.errors import ExitCode
 from eagle_jobs.store import Stage, Store
 
 pytestmark = pytest.mark.e2e
 
-MARK = "EAGLE_JOBS_TEST_EXIT_PATH"
 SHARDS = 3  # tiny_recipe: 12 conversations, 4 a shard
 ROW_IDS = [f"{i:08d}-{t:02d}" for i in range(12) for t in range(2 if i % 4 == 0 else 1)]  # every 4th: 2 turns
-
-
-def marked(mark: str) -> list[psutil.Process]:
-    """Every live process whose environment carries this marker: the stage, its guard, the server and
-    whatever the server forked or spawned (they inherit the environment)."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get(MARK) == mark and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
-
-
-def wait_gone(mark: str, timeout_s: float) -> list[psutil.Process]:
-    deadline = time.monotonic() + timeout_s
-    while (left := marked(mark)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
 
 
 STAND_INS = {

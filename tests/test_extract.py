@@ -241,7 +241,8 @@ def test_vllm_serve_arguments(tiny_recipe, tmp_path):
     assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3, 4]
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
-    assert kv["kv_role"] == "kv_producer" and kv["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path / "r-1")
+    assert (kv["kv_role"] == "kv_producer"
+            and kv["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path / "r-1"))
     assert {k: kv[k] for k in vllm_cpu.hidden_states_connector()} == vllm_cpu.hidden_states_connector()
     assert "--no-enable-chunked-prefill" in args
     # fp8 storage: vLLM still writes the model dtype, and only the shard encoder quantises (once, per
@@ -286,7 +287,8 @@ def test_lock_never_released_times_out_with_one_line_and_commits_nothing(tiny_re
     try:
         recipe = tiny_recipe(extract={"backend": "vllm", "scratch_dir": str(scratch), "concurrency": 2,
                                       "vllm": {"endpoint": base, "request_timeout_s": 1.0}})
-        with pytest.raises(Unavailable, match=r"hidden-states file .*\.safetensors: still locked by vLLM after 1s") as e:
+        with pytest.raises(Unavailable,
+                           match=r"hidden-states file .*\.safetensors: still locked by vLLM after 1s") as e:
             run_extract(recipe, st, "r")
         assert "\n" not in str(e.value)
         stage = Stage(st, "r", "extract")

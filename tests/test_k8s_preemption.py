@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from k8s_failure_sim import failed_pod, run_jobset
 from conftest import kustomize
+from k8s_failure_sim import failed_pod, run_jobset
 
 REPO = Path(__file__).resolve().parents[1]
 OVERLAYS = ["dev", "smoke", "full", "full-multinode", "qwen3-8b-1gpu"]

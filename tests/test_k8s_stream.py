@@ -9,7 +9,7 @@ Succeeded does). v0.8.2's depends_on.go makes the same test on dependsOn[0], the
 
 import jobset_admission
 import pytest
-from test_k8s import _job, _jobset, _render_overlay
+from k8s_helpers import _job, _jobset, _render_overlay
 
 
 def job_ready(job: dict, ready_pods: int, succeeded_pods: int) -> bool:

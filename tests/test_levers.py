@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, draft_and_batch, write_prompts
+from conftest import REPO, draft_and_batch
 
 from eagle_jobs import vllm_cpu
 from eagle_jobs.errors import BadInput, ExitCode
@@ -143,7 +143,7 @@ def test_every_loss_trains_the_draft_on_cpu_and_fused_equals_eager(tiny_recipe, 
 def trained_with_spy(recipe, tmp_path: Path, monkeypatch):
     """capture, extract and run_train on the tiny Kimi; what speculators' Trainer held once it had set up
     its optimizers and schedulers, and the exported final/ directory."""
-    from test_train import _prepared
+    from pipeline_helpers import _prepared
 
     from eagle_jobs import speculators_compat as compat
     from eagle_jobs.committed import download_final
@@ -254,13 +254,13 @@ def test_real_vllm_serves_the_eagle31_export_as_speculators_drafts_it(tmp_path):
     one flag been dropped or read otherwise, its drafts, and so tau and the per-position acceptance from
     /metrics, would differ from speculators' own modules in the transformers loop on the same prompts.
     (The llama layer with norm_before_fc is served the same way in test_vllm_real.py.)"""
-    from test_vllm_real import CASES, make_recipe
+    from pipeline_helpers import CASES, make_recipe
 
     from eagle_jobs.capture import run_capture
+    from eagle_jobs.checkpoint_check import run_inspect
     from eagle_jobs.committed import download_final
     from eagle_jobs.evaluate import eval_prompts, evaluate_transformers, evaluate_vllm
     from eagle_jobs.extract import run_extract
-    from eagle_jobs.checkpoint_check import run_inspect
     from eagle_jobs.recipe import EMBEDDED_SMOLLM2, VerifierSpec
     from eagle_jobs.store import Store
     from eagle_jobs.train import run_train

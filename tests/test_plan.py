@@ -1,9 +1,10 @@
 import json
+import re
 from pathlib import Path
 
 import pytest
-
 from conftest import draft_and_batch
+
 from eagle_jobs.plan import make_plan
 from eagle_jobs.recipe_file import load_recipe
 
@@ -35,7 +36,8 @@ def test_plan_scales_with_gpus_and_storage():
     assert make_plan(r)["stages"]["extract"]["objects"] > 100
     # the recipe as written: fp8 (auto, far above 64 GiB), and streamed training waits on extraction's pass
     p = make_plan(kimi)
-    assert p["storage"] == "fp8" and p["stages"]["extract"]["write_bytes"] == make_plan(fp8)["stages"]["extract"]["write_bytes"]
+    assert (p["storage"] == "fp8"
+            and p["stages"]["extract"]["write_bytes"] == make_plan(fp8)["stages"]["extract"]["write_bytes"])
     epoch = make_plan(_with(kimi, train={"source": "stored"}))["stages"]["train"]["time_s"] / kimi.train.epochs
     assert p["stages"]["train"]["time_s"] == max(p["stages"]["extract"]["time_s"], epoch) + 2 * epoch
     re = make_plan(_with(kimi, train={"later_epochs": "re-extract"}))
@@ -43,9 +45,20 @@ def test_plan_scales_with_gpus_and_storage():
 
 
 def test_cli_plan_runs(capsys):
-    from eagle_jobs.plan import print_plan
+    """`eagle-jobs plan` without a store prints the plan it returns, make_plan's: its counts, then a row a
+    stage (its time and objects) and the total."""
+    from eagle_jobs.plan import duration_text, print_plan
 
-    print_plan(load_recipe(REPO / "jobs/demo.yaml"))
+    recipe = load_recipe(REPO / "jobs/demo.yaml")
+    p = print_plan(recipe)
+    err = capsys.readouterr().err
+    assert p == make_plan(recipe)
+    assert f"plan {recipe.name}: {p['conversations']:,} conversations, {p['samples']:,} samples, " in err
+    cells = [re.split(r"\s*[│┃|]\s*", ln.strip())[1:-1] for ln in err.splitlines()]
+    rows = {c[0]: c[1:3] for c in cells if len(c) == 6}  # the table's: name -> [time, objects]
+    assert rows == {"stage": ["time", "objects"],
+                    **{name: [duration_text(s["time_s"]), f"{s['objects']:,}"] for name, s in p["stages"].items()},
+                    "total": [duration_text(p["total_time_s"]), f"{p['total_objects']:,}"]}
 
 
 @pytest.mark.parametrize("draft", [

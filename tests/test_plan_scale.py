@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import kustomize
 
 from eagle_jobs.hsformat import bytes_per_token
-from eagle_jobs.plan import SCALE_MODES, parse_scales, price_mode, scale_basis, scale_markdown, scale_table, make_plan
+from eagle_jobs.plan import SCALE_MODES, make_plan, parse_scales, price_mode, scale_basis, scale_markdown, scale_table
 from eagle_jobs.recipe_file import load_recipe
-from conftest import kustomize
 
 REPO = Path(__file__).resolve().parents[1]
 KIMI = REPO / "jobs/kimi-k2.5.yaml"
@@ -44,8 +44,9 @@ def _with(recipe, **sections):
 
 def test_bytes_are_tokens_times_bytes_per_token(kimi):
     r, b = kimi
-    assert b.bytes_per_token["bfloat16"] == bytes_per_token(len(r.aux_layer_ids) + 1, 7168, "bfloat16") == 4 * 7168 * 2 + 9
-    for (n, mode), row in _rows(kimi).items():
+    assert (b.bytes_per_token["bfloat16"] == bytes_per_token(len(r.aux_layer_ids) + 1, 7168, "bfloat16")
+            == 4 * 7168 * 2 + 9)
+    for (n, _mode), row in _rows(kimi).items():
         assert row["tokens"] == n * 2560  # the kimi recipe's bound: 512 prompt + 2,048 answer tokens
         assert row["corpus_bytes"] == row["tokens"] * b.bytes_per_token["bfloat16"]
         assert row["traffic_bytes"] == row["written_bytes"] + row["read_bytes"]
@@ -54,7 +55,7 @@ def test_bytes_are_tokens_times_bytes_per_token(kimi):
 def test_stored_and_streaming_keep_the_corpus_re_extract_keeps_a_window(kimi):
     r, b = kimi
     window_plus_shards = b.window_bytes + r.plan.extract_nodes * r.extract.shard_bytes
-    for (n, mode), row in _rows(kimi).items():
+    for (_n, mode), row in _rows(kimi).items():
         corpus, ep = row["corpus_bytes"], r.train.epochs
         if mode in ("stored", "streaming"):
             assert row["peak_store_bytes"] == row["written_bytes"] == corpus

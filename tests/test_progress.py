@@ -17,7 +17,8 @@ def test_off_a_terminal_lines_come_while_the_stage_runs_not_only_at_its_end(caps
         during = capsys.readouterr().err  # before the stage ends
         advance(2, 200)
     after = capsys.readouterr().err
-    assert re.search(r"capture: 1/4 conversations \(25%\), 100 tokens, [\d,]+ tok/s, elapsed 0:00, ETA \d+:\d\d", during)
+    assert re.search(r"capture: 1/4 conversations \(25%\), 100 tokens, [\d,]+ tok/s, elapsed 0:00, ETA \d+:\d\d",
+                     during)
     assert "capture: 2/4 conversations (50%)" in during
     assert "capture: 4/4 conversations (100%), 400 tokens" in after and "ETA 0:00" in after
     assert "\x1b[" not in during + after  # no terminal control codes in a log

@@ -1,7 +1,6 @@
 import json
 
 import pytest
-
 from conftest import write_prompts
 
 from eagle_jobs.capture import run_capture
@@ -91,7 +90,8 @@ def test_promote_only_when_better_with_lineage(tiny_recipe, tmp_path, bucket):
     assert set(decided) == {"a", "b"}  # drafts/ is no run: it has no eval stage
     assert decided["a"]["promoted"] and not decided["b"]["promoted"] and "not promoted" in decided["b"]["why"]
     assert Store.open(fresh).get_json("CURRENT.json")["run_id"] == "a"
-    assert "| validation | 2 | 2.000 |" in decided["a"]["summary"] and "| humaneval | 2 | 1.500 |" in decided["b"]["summary"]
+    assert ("| validation | 2 | 2.000 |" in decided["a"]["summary"]
+            and "| humaneval | 2 | 1.500 |" in decided["b"]["summary"])
     assert "b/eval/data/report.md" in decided["b"]["summary"]
     assert reconcile(st, fresh) == []  # decided once: a later pass leaves them alone
     assert reconcile(st, f"s3://{bucket}/runs/drafts/other", prefix="ci-") == []  # only run ids with the prefix

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import embedded_smollm2_except, kustomize, write_prompts
-from test_k8s_pools import gfd_product, node, schedulable
+from k8s_helpers import gfd_product, node, schedulable
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "jobs/qwen3-8b.yaml"

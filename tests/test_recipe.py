@@ -108,8 +108,8 @@ def test_extract_refuses_pipeline_parallelism_in_one_line(tmp_path):
     base = yaml.safe_load((REPO / "jobs/kimi-k2.5.yaml").read_text())
     for args, refused in ((["--pipeline-parallel-size", "2"], True), (["-pp=4"], True),
                           (["--pipeline-parallel-size", "1"], False)):
-        recipe = dict(base, extract={**base["extract"], "vllm": {**base["extract"]["vllm"],
-                                                                   "serve_args": base["extract"]["vllm"]["serve_args"] + args}})
+        recipe = dict(base, extract={**base["extract"], "vllm": {
+            **base["extract"]["vllm"], "serve_args": base["extract"]["vllm"]["serve_args"] + args}})
         path = tmp_path / "r.yaml"
         path.write_text(yaml.safe_dump(recipe))
         if refused:

@@ -128,7 +128,8 @@ def test_a_torchrun_without_shutdown_timeout_gets_no_such_flag(monkeypatch, tmp_
 
     monkeypatch.setattr(torchrun, "get_args_parser", parser_of_an_older_torch)
     seen = []
-    monkeypatch.setattr(train.subprocess, "Popen", lambda cmd, **kw: seen.append(cmd) or type("P", (), {"wait": lambda s: 1})())
+    monkeypatch.setattr(train.subprocess, "Popen",
+                        lambda cmd, **kw: seen.append(cmd) or type("P", (), {"wait": lambda s: 1})())
     recipe = load_recipe(REPO / "jobs/kimi-k2.5.yaml")
     with pytest.raises(EagleJobsError):
         train.run_ranks(recipe, Store.open(f"file://{tmp_path}/s"), "r", None, tmp_path / "w", 1)

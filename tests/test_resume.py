@@ -16,10 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
-from test_train import _prepared
+from pipeline_helpers import _prepared
+from proc_helpers import kill_pod, read_lines, wait_for
 
 from eagle_jobs.errors import ExitCode
 from eagle_jobs.store import Stage, Store
@@ -82,34 +82,6 @@ def start_pod(recipe, st, tmp_path: Path, name: str, spied: bool = True) -> subp
     out = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - the pod's log, read while it runs
     return subprocess.Popen([sys.executable, *entry, "train", "--recipe", str(rfile), "--store", st.uri,
                              "--run-id", "r"], env=env, stdout=out, stderr=subprocess.STDOUT)
-
-
-def kill_pod(proc: subprocess.Popen) -> None:
-    """SIGKILL to every process of the pod at once, as a lost node or the OOM killer of a cgroup: the
-    launcher, torchrun and the ranks (torchrun starts each rank in a session of its own)."""
-    procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    for p in procs:
-        p.send_signal(signal.SIGKILL)
-    psutil.wait_procs(procs, timeout=30)
-    proc.wait()
-
-
-def read_lines(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # the line a kill cut short
-            break
-    return out
-
-
-def wait_for(proc: subprocess.Popen, log: Path, what: str, ready, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        assert proc.poll() is None, f"pod ended ({proc.returncode}) before {what}: {log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"no {what} in {timeout} s: {log.read_text()[-3000:]}"
-        time.sleep(0.02)
 
 
 def read_json(stage: Stage, manifest: dict, name: str):

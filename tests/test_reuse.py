@@ -48,7 +48,8 @@ def test_larger_prompt_set_reuses_rows_and_states(tiny_recipe, tmp_path, monkeyp
     run_capture(big, fresh, "v2")
     run_extract(big, fresh, "v2")
     a, b = read_rows(st, "v2"), read_rows(fresh, "v2")
-    assert [(r["row_id"], r["input_ids"], r["split"]) for r in a] == [(r["row_id"], r["input_ids"], r["split"]) for r in b]
+    assert ([(r["row_id"], r["input_ids"], r["split"]) for r in a]
+            == [(r["row_id"], r["input_ids"], r["split"]) for r in b])
     ma, mb = extraction_info(st, "v2")["manifests"], extraction_info(fresh, "v2")["manifests"]
     for x, y in zip(ma, mb):
         for ex, ey in zip(x["samples"], y["samples"]):

@@ -1,6 +1,7 @@
 """One test per adaptation in eagle_jobs.speculators_compat (pinned to speculators 0.9.0)."""
 
 import importlib.metadata
+import time
 
 import pytest
 import torch
@@ -19,11 +20,25 @@ def test_adaptation_1_device_is_cpu_without_accelerator():
 
 
 def test_adaptation_2_step_timer_needs_no_accelerator():
+    """Without an accelerator to synchronize, a mark is the perf_counter clock when it was made and now()
+    reads that clock; a disabled timer records nothing and reads no time."""
     compat.install()
+    names = ("start", "queue", "pre_h2d", "fetch", "fwd", "pre_clip", "bwd", "opt")
     t = compat._trainer._StepTimer(enabled=True)
-    for name in ("start", "queue", "pre_h2d", "fetch", "fwd", "pre_clip", "bwd", "opt"):
+    before = time.perf_counter()
+    for name in names:
         t.mark(name)
-    assert t.now() is not None and t.profile(10)["tokens_per_s"] >= 0
+        time.sleep(0.001)
+    now = t.now()
+    after = time.perf_counter()
+    marks = [t._marks[name] for name in names]
+    assert before <= marks[0] and all(a < b for a, b in zip(marks, marks[1:])) and marks[-1] < now <= after
+    prof = t.profile(10)
+    assert prof["step_ms"] == pytest.approx((marks[-1] - marks[0]) * 1000) and prof["step_ms"] >= 7
+    assert prof["tokens_per_s"] == pytest.approx(10 / (prof["step_ms"] / 1000))
+    off = compat._trainer._StepTimer(enabled=False)
+    off.mark("start")
+    assert off._marks == {} and off.now() is None and off.profile(10) is None
 
 
 def test_adaptation_3_checkpoints_load_to_cpu():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port
+from pipeline_helpers import _surface
 
 from eagle_jobs import vllm_cpu
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
@@ -64,18 +65,6 @@ def test_timed_pass_counts_streamed_tokens_and_first_chunks(tiny_kimi, tiny_reci
     assert 0 < t["output_tokens"] <= 6 * recipe.evaluate.max_new_tokens
     assert t["output_tokens_per_s"] == pytest.approx(t["output_tokens"] / t["seconds"])
     assert 0 < t["ttft_s_p50"] <= t["ttft_s_max"] <= t["seconds"] and t["ttft_s_mean"] <= t["ttft_s_max"]
-
-
-def _surface(cells: dict[tuple[int, int], float], tau: float | None = None) -> dict:
-    """A speed table of (k, concurrency) -> speedup, every pass 4 requests of 64 tokens in 2 s."""
-    def side(t):
-        return {"requests": 4, "output_tokens": 64, "seconds": 2.0, "output_tokens_per_s": 32.0,
-                "ttft_s_mean": 0.1, "ttft_s_p50": 0.1, "ttft_s_max": 0.2, "acceptance_length": t}
-
-    surface = [{"k": k, "concurrency": c, "requests": 4, "with_draft": side(tau), "without_draft": side(None),
-                "speedup": sp} for (k, c), sp in sorted(cells.items())]
-    top = max(k for k, _c in cells)
-    return {"max_tokens": 16, "levels": [x for x in surface if x["k"] == top], "surface": surface}
 
 
 def test_report_flags_a_speedup_no_draft_can_give():
@@ -233,7 +222,8 @@ def test_promote_without_a_measured_speedup_is_refused_only_under_a_threshold(ti
     files = {f: ev.read(f, i) for f, i in m["files"].items()}
     rep = json.loads(files["report.json"])
     for s in rep["prompt_sets"].values():
-        s["speedup"] = {"max_tokens": 10, "levels": [{"concurrency": 1, "speedup": 0.8}, {"concurrency": 8, "speedup": 2.0}]}
+        s["speedup"] = {"max_tokens": 10,
+                        "levels": [{"concurrency": 1, "speedup": 0.8}, {"concurrency": 8, "speedup": 2.0}]}
     files["report.json"] = json.dumps(rep).encode()
     ev.commit_shard("report", files, {"acceptance_length": rep["acceptance_length"]})
     with pytest.raises(EagleJobsError, match=r"speedup\[validation\] 0.80x at concurrency 1 < min_speedup 1.00x"):

@@ -22,8 +22,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from test_exit_paths import MARK, wait_gone  # processes that carry a run's marker
-from test_resume import kill_pod, read_lines, wait_for
+from proc_helpers import MARK, kill_pod, read_lines, wait_for, wait_gone
 
 from eagle_jobs import stream, vllm_cpu
 from eagle_jobs.capture import run_capture
@@ -143,7 +142,7 @@ def _stream_recipe(tiny_recipe, tmp_path, uri: str, backend: str = "transformers
     extract: dict = {"backend": backend, "shard_bytes": 15_000}
     if backend == "vllm":  # the tiny verifier served by real vLLM (vllm-cpu), as tests/test_vllm_real.py serves it
         from conftest import free_port
-        from test_vllm_real import CASES, SERVE
+        from pipeline_helpers import CASES, SERVE
 
         extract |= {"scratch_dir": str(tmp_path / "scratch"), "concurrency": 8,
                     "vllm": {"serve_args": SERVE + CASES["tiny-kimi"].serve, "health_timeout_s": 600,

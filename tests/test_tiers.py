@@ -25,19 +25,15 @@ def test_this_process_outside_the_vllm_tier_is_refused_vllm_serve():
             subprocess.Popen([exe, "serve", "some/model"])
 
 
-def test_make_test_keeps_our_module_order_which_xdist_would_reorder_by_test_count():
+def test_make_test_keeps_our_module_order_which_xdist_would_reorder_by_test_count(pytester):
     """pytest-xdist's loadfile scheduler sorts its units by their number of tests unless told not to
     (xdist/plugin.py: --loadscope-reorder, default True; xdist/scheduler/loadscope.py, `schedule`), which
     would undo tests/conftest.py's costliest-first order: `make test` and `make test-fast` turn it off."""
     from pathlib import Path
 
-    from _pytest.config.argparsing import Parser
-    from xdist import plugin
-
-    parser = Parser()
-    plugin.pytest_addoption(parser)
-    assert parser.parse([]).loadscopereorder is True
-    assert parser.parse(["--no-loadscope-reorder"]).loadscopereorder is False
+    # command lines parsed as pytest parses them, with the plugins it loads (pytest-xdist among them)
+    assert pytester.parseconfig().getoption("loadscopereorder") is True
+    assert pytester.parseconfig("--no-loadscope-reorder").getoption("loadscopereorder") is False
     make = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
     lines = [ln for ln in make.replace("\\\n", " ").splitlines() if "--dist loadfile" in ln]
     assert len(lines) == 2 and all("--no-loadscope-reorder" in ln for ln in lines), lines

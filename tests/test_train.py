@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import draft_and_batch, draft_call_kwargs
+from pipeline_helpers import _prepared
 
 from eagle_jobs.capture import run_capture
 from eagle_jobs.checkpoint_check import run_inspect
@@ -19,14 +20,6 @@ from eagle_jobs.store import Stage, Store
 from eagle_jobs.train import run_train
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _prepared(recipe, uri, run="r"):
-    st = Store.open(uri)
-    st.check()
-    run_capture(recipe, st, run)
-    run_extract(recipe, st, run)
-    return st
 
 
 def test_end_to_end_and_reload_with_speculators(tiny_recipe, store_uri, tmp_path):

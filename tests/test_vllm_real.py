@@ -15,18 +15,17 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import embedded_smollm2_except, write_prompts
+from pipeline_helpers import CASES, make_recipe
 
-from conftest import embedded_smollm2_except, free_port, write_prompts
 from eagle_jobs import vllm_cpu
 from eagle_jobs.capture import run_capture
 from eagle_jobs.committed import download_final, extraction_info, read_rows, read_sample
 from eagle_jobs.extract import run_extract
-from eagle_jobs.recipe import Recipe
 from eagle_jobs.serve_plans import evaluate_plan
 from eagle_jobs.store import Store
 
@@ -34,7 +33,6 @@ from eagle_jobs.store import Store
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(not vllm_cpu.is_cpu_build(), reason="vllm-cpu installs on Linux x86-64 only")]
 
-SERVE = ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "1024"]
 THINK = {3: "<think>", 4: "</think>"}  # SmolLM2's unused specials <repo_name>, <reponame>
 
 
@@ -51,48 +49,6 @@ def think_model(tmp_path_factory) -> Path:
             a["content"] = THINK[a["id"]]
     (dst / "tokenizer.json").write_text(json.dumps(tok))
     return dst
-
-
-@dataclass
-class Case:
-    """One verifier as the chain serves it."""
-
-    parser: str
-    aux: list[int]
-    draft: dict
-    serve: list[str] = field(default_factory=list)
-    train: dict = field(default_factory=dict)
-
-
-CASES = {
-    "smollm2": Case("deepseek_r1", [2, 15, 27], {"draft_vocab_size": 1024}),
-    # text only: the wrapper's vision tower is neither built nor loaded (vLLM's --language-model-only)
-    "tiny-kimi": Case("kimi_k2", [1, 2, 3], {"draft_vocab_size": 128, "num_attention_heads": 4,
-                                             "num_key_value_heads": 4, "head_dim": 32, "intermediate_size": 128},
-                      ["--language-model-only", "--max-model-len", "512"], {"epochs": 10, "lr": 3e-3}),
-}
-
-
-def make_recipe(model: Path, root: Path, prompts: Path, case: Case = CASES["smollm2"], **over) -> Recipe:
-    server = {"serve_args": SERVE + case.serve, "health_timeout_s": 600}
-    base = {
-        "name": "real-vllm", "verifier": {"model": str(model)},
-        "prompts": {"source": str(prompts), "validation": 0},
-        "chat": {"reasoning_parser": case.parser},
-        "sampling": {"temperature": 0.0, "max_new_tokens": 24},
-        "limits": {"max_prompt_tokens": 200, "max_seq_len": 256},
-        "aux_layer_ids": case.aux,
-        "capture": {"backend": "vllm", "concurrency": 8, "vllm": {**server, "port": free_port()}},
-        "extract": {"backend": "vllm", "scratch_dir": str(root / "scratch"), "vllm": {**server, "port": free_port()}},
-        "draft": case.draft,
-        "train": {"epochs": 6, "lr": 1e-3, "total_seq_len": 512, "ttt_steps": 3, **case.train},
-        "evaluate": {"backend": "vllm", "num_speculative_tokens": 3, "max_new_tokens": 24,
-                     "vllm": {**server, "port": free_port()}},
-        "store": {"uri": f"file://{root}/store", "run_id": "r"},
-    }
-    for k, v in over.items():
-        base[k] = {**base[k], **v} if isinstance(v, dict) else v
-    return Recipe.model_validate(base)
 
 
 def build_chain(request, tmp_path_factory, name: str):
@@ -178,7 +134,7 @@ def test_extract_stage_serves_with_its_own_arguments_and_matches_transformers(ch
             # both stored in bf16 from fp32 states that agree to ~1e-6: at most one bf16 step apart,
             # and under 1e-3 relative over a sample (a mis-rotated q alone gives about 1e-2)
             torch.testing.assert_close(x, y, rtol=8e-3, atol=1e-3)
-            worst = max(worst, float(((x - y).norm() / y.norm())))
+            worst = max(worst, float((x - y).norm() / y.norm()))
     assert worst < 1e-3
 
 
@@ -246,7 +202,8 @@ def test_capture_against_an_external_endpoint(smollm2_chain, eagle3_server, tmp_
     run_capture(r, other, "e")
     # first turns: later ones carry the earlier answer's content, which the reasoning parser (served by
     # the capture stage's own server, not by this one) moves out of it
-    first = [[x["input_ids"] for x in read_rows(store, run) if x["turn"] == 0] for store, run in ((other, "e"), (st, "r"))]
+    first = [[x["input_ids"] for x in read_rows(store, run) if x["turn"] == 0]
+             for store, run in ((other, "e"), (st, "r"))]
     assert first[0] == first[1] and first[0]
 
 
@@ -286,7 +243,8 @@ def test_capture_shards_overlap_and_each_commits_its_own_conversations(smollm2_c
     assert [m["prompt_indices"] for m in shards] == [[0, 1, 2], [3, 4, 5], [6, 7]]
     for m, _fname, data in stage.iter_objects():
         assert sorted({json.loads(ln)["prompt_index"] for ln in data.decode().splitlines()}) == m["prompt_indices"]
-    first = [[x["input_ids"] for x in read_rows(store, run) if x["turn"] == 0] for store, run in ((other, "o"), (st, "r"))]
+    first = [[x["input_ids"] for x in read_rows(store, run) if x["turn"] == 0]
+             for store, run in ((other, "o"), (st, "r"))]
     assert first[0] == first[1]
 
 
@@ -295,8 +253,8 @@ def test_eagle3_on_the_mla_verifier_is_what_vllm_cpu_cannot_serve(kimi_chain, tm
     attention (multiples of 32) take, so EAGLE-3 over Kimi cannot start here; the draft is fine (it
     trains, exports, passes inspect, and the transformers loop evaluates it). When a vllm-cpu lifts
     this, this test fails: then serve it and compare tau as for SmolLM2."""
-    from eagle_jobs.errors import ExitCode, Unavailable
     from eagle_jobs.checkpoint_check import run_inspect
+    from eagle_jobs.errors import ExitCode, Unavailable
     from eagle_jobs.vllm_server import vllm_endpoint
 
     recipe, st, root = kimi_chain

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import embedded_smollm2_except, free_port, write_prompts
 from safetensors.torch import load_file, save_file
 
-from conftest import embedded_smollm2_except, free_port, write_prompts
 from eagle_jobs import vllm_cpu
 from eagle_jobs.errors import BadInput
 from eagle_jobs.recipe import Recipe, VerifierSpec
@@ -106,7 +106,8 @@ def test_training_reads_only_the_config_tokenizer_and_embedding_shards(sharded_s
     part = Path(resolve_path(spec, "embeddings"))
     assert sorted(f.name for f in part.glob("*.safetensors")) == [embed_shard]
     (got,) = load_model_layers(["model.embed_tokens.weight"], str(part)).values()
-    torch.testing.assert_close(got, load_file(sharded_smollm2 / embed_shard)["model.embed_tokens.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(got, load_file(sharded_smollm2 / embed_shard)["model.embed_tokens.weight"],
+                               rtol=0, atol=0)
     assert len(list(local_copy(spec, "all").glob("*.safetensors"))) == 3
 
 
@@ -174,4 +175,5 @@ def test_vllm_streams_the_verifier_from_the_store_mirror(sharded_smollm2, bucket
     ref = recipe("transformers", f"file://{tmp_path}/b")
     run_capture(ref, Store.open(ref.store.uri), "r")
     rows = read_rows(Store.open(served.store.uri), "r")
-    assert len(rows) == 3 and [r["input_ids"] for r in rows] == [r["input_ids"] for r in read_rows(Store.open(ref.store.uri), "r")]
+    assert (len(rows) == 3
+            and [r["input_ids"] for r in rows] == [r["input_ids"] for r in read_rows(Store.open(ref.store.uri), "r")])
