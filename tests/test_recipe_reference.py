@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from eagle_jobs import recipe as recipe_mod
+from eagle_jobs.errors import BadInput
 from eagle_jobs.recipe import Recipe, default_aux_layer_ids
 from eagle_jobs.recipe_file import load_recipe
 from eagle_jobs.recipe_view import REFERENCE_PATH, reference_markdown, undescribed_settings
@@ -69,6 +70,21 @@ def test_a_recipe_without_aux_layers_and_no_readable_config_is_refused_in_one_li
     assert r.returncode == 3, r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert "aux_layer_ids is unset" in line and "verifier.num_layers" in line
+
+
+def test_a_wrong_key_is_named_before_any_config_is_read(tmp_path):
+    """The config read (a download, a GGUF conversion) comes after the rest of the recipe is checked."""
+    local = tmp_path / "no-model-here"
+    local.mkdir()
+    path = _write(tmp_path, f"name: x\nverifier: {{model: '{local}'}}\nprompts: {{source: p.jsonl}}\n"
+                            "train: {optimiser: adamw}\n")
+    with pytest.raises(BadInput, match="unknown key 'train.optimiser'"):
+        load_recipe(path)
+
+
+def test_num_layers_in_any_form_the_schema_takes_derives_the_aux_layers(tmp_path):
+    path = _write(tmp_path, "name: x\nverifier: {model: org/m, num_layers: '36'}\nprompts: {source: p.jsonl}\n")
+    assert load_recipe(path).aux_layer_ids == [2, 18, 33]
 
 
 def test_backends_default_to_vllm_where_it_is_installed(monkeypatch):

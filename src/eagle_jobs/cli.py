@@ -324,7 +324,8 @@ def recipe_show(recipe: RecipeOpt):
 
     Example: eagle-jobs recipe show --recipe jobs/demo.yaml
 
-    Writes nothing. The YAML it prints is itself a recipe that runs the same.
+    Writes nothing. The YAML it prints is itself a recipe that runs the same here (the backends are resolved
+    on this machine: vllm where it is reachable).
     """
     from eagle_jobs.recipe_view import show_text
 

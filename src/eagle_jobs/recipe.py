@@ -185,10 +185,11 @@ class VllmServerSpec(Section):
 class StageBackend(Section):
     """A stage that runs the verifier: through vLLM, or transformers in-process."""
 
-    backend: Literal["transformers", "vllm"] = Field(json_schema_extra={"derived": "vllm where installed"},
+    backend: Literal["transformers", "vllm"] = Field(json_schema_extra={"derived": "vllm where reachable"},
                                                      description=(
-        "vllm or transformers; unset: vllm where the stage can reach it (installed, or an endpoint), else "
-        "transformers"))
+        "vllm or transformers; unset: vllm where the stage can reach it (vLLM installed, its vllm.endpoint "
+        "set, or the pod sidecar's $EAGLE_JOBS_VLLM_ENDPOINT), else transformers: state it where a recipe must "
+        "mean the same on every machine"))
     vllm: VllmServerSpec = Field(default=VllmServerSpec(), description="the vLLM server of the vllm backend")
 
     @model_validator(mode="before")
@@ -346,7 +347,7 @@ class TrainSpec(Section):
 
     epochs: int = Field(default=3, gt=0, description="passes over the training split")
     lr: float = Field(default=1e-3, gt=0, description=(
-        "peak learning rate; with Muon, 1e-3 won the demo's comparison (docs/DEMO.md)"))
+        "peak learning rate; the demo's comparison ran every arm at 1e-3 (docs/DEMO.md)"))
     scheduler: Literal["linear", "cosine", "none"] = Field(default="cosine", description="the learning-rate schedule")
     warmup_ratio: float = Field(default=0.01, ge=0, le=1, description="the share of steps that warm up")
     optimizer: Literal["adamw", "muon"] = Field(default="muon", description=(
@@ -562,9 +563,12 @@ class Recipe(Section):
         when the recipe gives neither)."""
         if isinstance(data, dict) and data.get("aux_layer_ids") is None:
             verifier = data.get("verifier")
-            n = verifier.get("num_layers") if isinstance(verifier, dict) else getattr(verifier, "num_layers", None)
-            if isinstance(n, int) and n > 0:
-                data = {**data, "aux_layer_ids": default_aux_layer_ids(n)}
+            try:
+                spec = verifier if isinstance(verifier, VerifierSpec) else VerifierSpec.model_validate(verifier)
+            except ValidationError:
+                return data  # the verifier's own validation names the key
+            if spec.num_layers is not None:
+                data = {**data, "aux_layer_ids": default_aux_layer_ids(spec.num_layers)}
         return data
 
     def with_storage(self, dtype: str) -> "Recipe":

@@ -307,8 +307,10 @@ def _serving_section(report: EvalReport) -> list[str]:
             rows.append(f"| {lv['concurrency']} | {lv['best_k']} | {lv['speedup']:.2f}x | {_k_text(lv['k'])} |")
         rows += ["", "Batch sizes and k: " + ", ".join(f"{_range_text(r)} → {_k_text(r['k'])}"
                                                        for r in advice["ranges"]) + ".", ""]
-    rows += ["The command evaluate measured, with this config (`promote` writes it with the promoted draft's "
-             "directory in place of DRAFT_DIR):", "", "```", serve_line(advice), "```", ""]
+    what = ("The command evaluate measured, with this config" if advice["by_level"]
+            else "evaluate's serve_args with the config τ was measured at")
+    rows += [f"{what} (`promote` writes it with the promoted draft's directory in place of DRAFT_DIR):", "",
+             "```", serve_line(advice), "```", ""]
     return rows
 
 
