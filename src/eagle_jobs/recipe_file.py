@@ -16,15 +16,13 @@ from eagle_jobs.errors import BadInput
 from eagle_jobs.recipe import Recipe, VerifierSpec, default_aux_layer_ids, error_location
 
 
-def _aux_from_config(path: str | Path, raw: dict) -> dict:
+def _aux_from_config(path: str | Path, raw: dict, verifier: VerifierSpec) -> dict:
     """A recipe that names neither aux_layer_ids nor verifier.num_layers gets its aux layers from the
-    verifier's config (its layer count), read as every stage reads it (eagle_jobs/verifier.py). The rest of
-    the recipe is checked first: a wrong key is named before any config is read, downloaded or converted."""
-    placeholder = _validated(path, {**raw, "aux_layer_ids": [1]})
+    verifier's config (its layer count), read as every stage reads it (eagle_jobs/verifier.py)."""
     from eagle_jobs.verifier import num_layers  # transformers: only where a config must be read
 
     try:
-        n = num_layers(placeholder.verifier)
+        n = num_layers(verifier)
     except BadInput as e:
         raise BadInput(f"recipe {path}: aux_layer_ids is unset and {e}: set verifier.num_layers (the text "
                        "model's layer count) or aux_layer_ids") from None
@@ -32,15 +30,6 @@ def _aux_from_config(path: str | Path, raw: dict) -> dict:
         return {**raw, "aux_layer_ids": default_aux_layer_ids(n)}
     except ValueError as e:
         raise BadInput(f"recipe {path}: aux_layer_ids: {e}") from None
-
-
-def _needs_config(raw: dict) -> bool:
-    if raw.get("aux_layer_ids") is not None or not isinstance(raw.get("verifier"), dict):
-        return False
-    try:
-        return VerifierSpec.model_validate(raw["verifier"]).num_layers is None
-    except ValidationError:
-        return False  # the whole recipe's validation names the key
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -60,8 +49,11 @@ def recipe_from_text(text: str, path: str | Path = "<text>") -> Recipe:
         raise BadInput(f"recipe {path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
     if not isinstance(raw, dict):
         raise BadInput(f"recipe {path}: expected a mapping at the top level")
-    if _needs_config(raw):
-        raw = _aux_from_config(path, raw)
+    if raw.get("aux_layer_ids") is None:
+        # every other key is checked first: a wrong one is named before any config is read, downloaded or converted
+        checked = _validated(path, {**raw, "aux_layer_ids": [1]})
+        if checked.verifier.num_layers is None:
+            raw = _aux_from_config(path, raw, checked.verifier)
     return _validated(path, raw)
 
 
