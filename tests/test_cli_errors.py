@@ -119,7 +119,8 @@ GOOD_IDS = ["demo", "kimi-k2.5", "kimi-k2.5-smoke", "ci-123", "A_b.c", "r" * 33,
 BAD_IDS = {"": "is empty", "../x": "path separator", "../../../x": "path separator", "a/b": "path separator",
            "a\\b": "path separator", "..": "'..'", "a..b": "'..'", ".": "letters, digits", ".hidden": "letters, digits",
            "x.": "letters, digits", "-x": "letters, digits", "a b": "letters, digits", "a\nb": "letters, digits",
-           "é": "letters, digits", "r" * 34: "too long"}
+           "é": "letters, digits", "r" * 34: "too long", "models": "store's own prefixes",
+           "drafts": "store's own prefixes", "prompts": "store's own prefixes"}
 
 
 @pytest.mark.parametrize("value", GOOD_IDS)

