@@ -51,8 +51,9 @@ def load_recipe(path: str | Path, store: str | None = None) -> Recipe:
 
 def store_of(raw: dict, store: str | None = None) -> str:
     """The store a command reading this recipe uses: --store, else $EAGLE_JOBS_STORE, else store.uri."""
-    stated = raw.get("store") if isinstance(raw.get("store"), dict) else {}
-    return store or os.environ.get("EAGLE_JOBS_STORE") or stated.get("uri") or StoreSpec.model_fields["uri"].default
+    section = raw.get("store")
+    stated = section.get("uri") if isinstance(section, dict) else None
+    return store or os.environ.get("EAGLE_JOBS_STORE") or stated or StoreSpec.model_fields["uri"].default
 
 
 def _refs_resolved(path: str | Path, raw: dict, store: str | None) -> dict:
