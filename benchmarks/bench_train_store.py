@@ -43,7 +43,7 @@ def main() -> None:
 
     from eagle_jobs.extract import run_extract
     from eagle_jobs.store import Store
-    from eagle_jobs.train import run_train
+    from eagle_jobs.train.run import run_train
     from eagle_jobs.verifier import load_verifier
 
     recipe = demo_recipe(extract={"shard_bytes": 16 * 1024**2}, train={"epochs": 1})

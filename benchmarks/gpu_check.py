@@ -2,7 +2,7 @@
 
 For a session lent an accelerator (the `device` tool): flex attention, the fused
 Triton loss, bf16 autocast over fp32 master weights and torch.compile, all
-through `eagle_jobs.train.run_train`, on a synthetic run whose shapes are
+through `eagle_jobs.train.run.run_train`, on a synthetic run whose shapes are
 Kimi-K2.5's: hidden 7168, 64 heads x head_dim 128, intermediate 18432, verifier
 vocab 163840, draft vocab 32000, aux layers [2, 30, 58] + final (61).
 
@@ -154,7 +154,8 @@ def train_arm(args, recipe, store, optimizer: str, work: Path, gpu: bool) -> dic
     from eagle_jobs.committed import download_final
     from eagle_jobs.checkpoint_check import run_inspect
     from eagle_jobs.errors import ExitCode
-    from eagle_jobs.train import run_ranks, run_train
+    from eagle_jobs.train.launch import run_ranks
+    from eagle_jobs.train.run import run_train
 
     recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"optimizer": optimizer})})
     if gpu:

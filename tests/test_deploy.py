@@ -13,7 +13,7 @@ from pipeline_helpers import _surface
 
 from eagle_jobs import vllm_cpu
 from eagle_jobs.deploy import DRAFT_PLACEHOLDER, OPEN_END, advise, choose, ranges_of, serve_line, with_draft
-from eagle_jobs.evaluate import Acceptance, by_position, steps_of_request
+from eagle_jobs.evaluate.decode import Acceptance, by_position, steps_of_request
 from eagle_jobs.recipe import EMBEDDED_SMOLLM2, Recipe
 
 needs_vllm = pytest.mark.skipif(not vllm_cpu.is_cpu_build(), reason="vllm-cpu installs on Linux x86-64 only")

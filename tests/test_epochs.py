@@ -20,11 +20,13 @@ import pytest
 import yaml
 from conftest import free_port, write_prompts
 
-from eagle_jobs import epochs, train
+from eagle_jobs import epochs
 from eagle_jobs.epochs import average_ranks, rank_epochs, select_served, spearman
 from eagle_jobs.errors import BadInput, StoreError
 from eagle_jobs.recipe import EMBEDDED_SMOLLM2, Recipe
 from eagle_jobs.store import Stage, Store
+from eagle_jobs.train import checkpoints
+from eagle_jobs.train.run import run_train
 
 
 # -- Spearman's rho -------------------------------------------------------------------------------
@@ -107,10 +109,11 @@ def test_select_by_served_exports_the_best_served_epoch_and_serves_nothing_twice
     run_extract(recipe, st, "r")
     # the train stage alone exports the estimate's choice; here made epoch 0 (as test_train's export test
     # does), so that a re-export of another epoch shows whatever the two rankings say on this tiny run
-    real_select = train.select_epoch
-    monkeypatch.setattr(train, "select_epoch", lambda records, k, last: {**real_select(records, k, last), "epoch": 0})
-    train.run_train(recipe, st, "r")
-    monkeypatch.setattr(train, "select_epoch", real_select)
+    real_select = checkpoints.select_epoch
+    monkeypatch.setattr(checkpoints, "select_epoch",
+                        lambda records, k, last: {**real_select(records, k, last), "epoch": 0})
+    run_train(recipe, st, "r")
+    monkeypatch.setattr(checkpoints, "select_epoch", real_select)
     old, old_cfg = _final(st)
     assert "selected_by" not in old and old["epoch"] == old_cfg["selection"]["epoch"] == 0
     served = _served_counter(monkeypatch)
@@ -244,9 +247,10 @@ def _vllm_recipe(root: Path) -> Recipe:
 def test_rank_epochs_serves_each_epoch_with_real_vllm(tmp_path, monkeypatch):
     from eagle_jobs import vllm_cpu
     from eagle_jobs.capture import run_capture
-    from eagle_jobs.evaluate import evaluate_transformers
+    from eagle_jobs.evaluate.decode import evaluate_transformers
     from eagle_jobs.extract import run_extract
-    from eagle_jobs.train import epoch_checkpoints, restore_served, run_train
+    from eagle_jobs.train.checkpoints import epoch_checkpoints, restore_served
+    from eagle_jobs.train.run import run_train
 
     if not vllm_cpu.is_cpu_build():
         pytest.skip("vllm-cpu installs on Linux x86-64 only")

@@ -6,18 +6,12 @@ import torch
 from eagle_jobs.capture import run_capture
 from eagle_jobs.committed import download_final
 from eagle_jobs.errors import BadInput
-from eagle_jobs.evaluate import (
-    Acceptance,
-    DraftProposer,
-    check_draft_matches,
-    load_draft,
-    parse_spec_metrics,
-    run_evaluate,
-    speculative_generate,
-)
+from eagle_jobs.evaluate.decode import Acceptance, DraftProposer, load_draft, speculative_generate
+from eagle_jobs.evaluate.engine import parse_spec_metrics
+from eagle_jobs.evaluate.run import check_draft_matches, run_evaluate
 from eagle_jobs.extract import run_extract
 from eagle_jobs.store import Store
-from eagle_jobs.train import run_train
+from eagle_jobs.train.run import run_train
 from eagle_jobs.verifier import load_verifier
 
 
@@ -146,7 +140,7 @@ def write_traffic(path):
 
 
 def test_recorded_traffic_is_a_prompt_set_measured_as_it_was_sent(trained, tmp_path):
-    from eagle_jobs.evaluate import eval_sets
+    from eagle_jobs.evaluate.sets import eval_sets
 
     recipe, st, _ = trained
     traffic, ctx = write_traffic(tmp_path / "traffic.jsonl")
@@ -232,7 +226,8 @@ def test_drafting_matches_speculators_ttt_forward(trained):
 def test_vllm_backend_reads_spec_decode_counters(trained, tiny_kimi, tmp_path):
     from fake_vllm import FakeVllm
 
-    from eagle_jobs.evaluate import eval_prompts, evaluate_vllm
+    from eagle_jobs.evaluate.served import evaluate_vllm
+    from eagle_jobs.evaluate.sets import eval_prompts
 
     recipe, _st, draft = trained
     fake = FakeVllm(str(tiny_kimi), reasoning_parser="kimi_k2", spec_tokens=3)
@@ -281,11 +276,11 @@ def test_vllm_backend_starts_servers_for_draft_baseline_and_no_draft(trained, mo
 
 
 def test_the_speculative_defaults_an_engine_record_names_are_the_installed_vllms():
-    """evaluate.VLLM_SPEC_DEFAULTS is what our --speculative-config leaves to vLLM: read from the installed
+    """evaluate.engine.VLLM_SPEC_DEFAULTS is what our --speculative-config leaves to vLLM: read from the installed
     wheel, so a vLLM that changes a default changes this test, not a τ silently."""
     from vllm.config.speculative import SpeculativeConfig
 
-    from eagle_jobs.evaluate import VLLM_SPEC_DEFAULTS
+    from eagle_jobs.evaluate.engine import VLLM_SPEC_DEFAULTS
 
     fields = SpeculativeConfig.__dataclass_fields__
     assert {k: fields[k].default for k in VLLM_SPEC_DEFAULTS} == VLLM_SPEC_DEFAULTS

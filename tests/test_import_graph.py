@@ -54,6 +54,8 @@ def test_the_import_graph_has_no_circle():
     modules = import_graph(collapse=False)  # inside a subpackage too: its __init__ imports its modules
     assert {"cluster", "cluster.follow", "cluster.explain", "cluster.api"} <= set(modules)
     assert "cluster.explain" in modules["cluster.follow"]
+    assert "evaluate.sets" in modules["evaluate.run"]  # the evaluate stage is a package of modules too
+    assert {"train.launch", "train.checkpoints", "train.data"} <= modules["train.run"]  # and so is train
     assert cycles(modules) == []
 
 

@@ -41,7 +41,7 @@ def _pod(js: dict, stage: str) -> dict:
 def test_the_train_pods_grace_fits_one_checkpoint_save(rendered, overlay):
     from eagle_jobs.plan import checkpoint_save_s, make_plan
     from eagle_jobs.recipe_file import recipe_from_text
-    from eagle_jobs.train import RANK_SHUTDOWN_TIMEOUT_S
+    from eagle_jobs.train.launch import RANK_SHUTDOWN_TIMEOUT_S
 
     docs = rendered[overlay]
     cm = next(d for d in docs if d["kind"] == "ConfigMap" and "recipe.yaml" in d.get("data", {}))

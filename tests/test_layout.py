@@ -20,7 +20,7 @@ def test_the_content_hash_encoding_is_pinned():
 
 
 def test_no_module_hashes_json_on_its_own():
-    offenders = [p.name for p in SRC.glob("*.py") if p.name != "layout.py"
+    offenders = [p.name for p in SRC.rglob("*.py") if p.name != "layout.py"
                  and re.search(r"sha256\(\s*json\.dumps", p.read_text())]
     assert offenders == []
 
@@ -37,7 +37,7 @@ def test_stage_directories():
 def test_no_module_spells_a_stage_directory():
     """Stage(store, run, "<literal>") outside layout would be a second copy of the layout."""
     found = []
-    for p in SRC.glob("*.py"):
+    for p in SRC.rglob("*.py"):  # subpackages (evaluate/, cluster/) too
         for node in ast.walk(ast.parse(p.read_text())):
             if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Stage" and len(node.args) >= 3
                     and isinstance(node.args[2], ast.Constant)):

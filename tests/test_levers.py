@@ -147,7 +147,7 @@ def trained_with_spy(recipe, tmp_path: Path, monkeypatch):
 
     from eagle_jobs import speculators_compat as compat
     from eagle_jobs.committed import download_final
-    from eagle_jobs.train import run_train
+    from eagle_jobs.train.run import run_train
 
     seen = {}
     real = compat._trainer.Trainer.setup_optimizer
@@ -259,11 +259,13 @@ def test_real_vllm_serves_the_eagle31_export_as_speculators_drafts_it(tmp_path):
     from eagle_jobs.capture import run_capture
     from eagle_jobs.checkpoint_check import run_inspect
     from eagle_jobs.committed import download_final
-    from eagle_jobs.evaluate import eval_prompts, evaluate_transformers, evaluate_vllm
+    from eagle_jobs.evaluate.decode import evaluate_transformers
+    from eagle_jobs.evaluate.served import evaluate_vllm
+    from eagle_jobs.evaluate.sets import eval_prompts
     from eagle_jobs.extract import run_extract
     from eagle_jobs.recipe import EMBEDDED_SMOLLM2, VerifierSpec
     from eagle_jobs.store import Store
-    from eagle_jobs.train import run_train
+    from eagle_jobs.train.run import run_train
     from eagle_jobs.weights import resolve_path
 
     prompts = tmp_path / "prompts.jsonl"

@@ -5,11 +5,11 @@ from conftest import write_prompts
 
 from eagle_jobs.capture import run_capture
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
-from eagle_jobs.evaluate import run_evaluate
+from eagle_jobs.evaluate.run import run_evaluate
 from eagle_jobs.extract import run_extract
 from eagle_jobs.promote import promote
 from eagle_jobs.store import Stage, Store
-from eagle_jobs.train import run_train
+from eagle_jobs.train.run import run_train
 
 
 def _with_tau(st, run, tau, prompts_sha=None, **set_taus):

@@ -103,10 +103,10 @@ def test_the_whole_transformers_pipeline_never_runs_the_repositorys_code(trapped
     """capture, extract, train (speculators reads the verifier's config too) and evaluate, with
     verifier.trust_remote_code true, as the Kimi recipes set it."""
     from eagle_jobs.capture import run_capture
-    from eagle_jobs.evaluate import run_evaluate
+    from eagle_jobs.evaluate.run import run_evaluate
     from eagle_jobs.extract import run_extract
     from eagle_jobs.store import Store
-    from eagle_jobs.train import run_train
+    from eagle_jobs.train.run import run_train
 
     d, marker = trapped
     recipe = tiny_recipe(verifier={"model": str(d), "trust_remote_code": True}, train={"epochs": 1})

@@ -74,10 +74,10 @@ def test_a_pod_without_what_the_rendezvous_needs_is_refused_in_one_line(env, wha
 
 def test_the_train_launcher_passes_exactly_these_arguments(monkeypatch, tmp_path):
     """run_ranks (the pod's `eagle-jobs train`) hands torchrun what torchrun_rendezvous_args renders."""
-    from eagle_jobs import train
     from eagle_jobs.errors import EagleJobsError
     from eagle_jobs.recipe_file import load_recipe
     from eagle_jobs.store import Store
+    from eagle_jobs.train import launch
 
     seen = []
 
@@ -91,22 +91,22 @@ def test_the_train_launcher_passes_exactly_these_arguments(monkeypatch, tmp_path
     env = {**_train_env(), "JOB_COMPLETION_INDEX": "1", "EAGLE_JOBS_RDZV_ENDPOINT": "pod-0.js:29500"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(train.subprocess, "Popen", NoTorchrun)
+    monkeypatch.setattr(launch.subprocess, "Popen", NoTorchrun)
     recipe = load_recipe(REPO / "jobs/kimi-k2.5.yaml")
     with pytest.raises(EagleJobsError):
-        train.run_ranks(recipe, Store.open(f"file://{tmp_path}/s"), "r", None, tmp_path / "w", 8, 2)
+        launch.run_ranks(recipe, Store.open(f"file://{tmp_path}/s"), "r", None, tmp_path / "w", 8, 2)
     (cmd,) = seen
     rdzv = torchrun_rendezvous_args(2, env)
     start = cmd.index("torch.distributed.run") + 1
     assert cmd[start:start + len(rdzv)] == rdzv
     # the SIGTERM drain window, which this torch's real torchrun parser accepts (torch 2.11's had no such flag;
     # make venv installs torch 2.13.0 (Makefile TORCH_SPEC), as the train image does, which has it)
-    assert train.torchrun_has_shutdown_timeout()
-    assert cmd[cmd.index("--shutdown_timeout") + 1] == str(train.RANK_SHUTDOWN_TIMEOUT_S)
+    assert launch.torchrun_has_shutdown_timeout()
+    assert cmd[cmd.index("--shutdown_timeout") + 1] == str(launch.RANK_SHUTDOWN_TIMEOUT_S)
     from torch.distributed.run import get_args_parser
 
     parsed = get_args_parser().parse_args(cmd[start:cmd.index("-m", start)] + ["x"])
-    assert parsed.shutdown_timeout == train.RANK_SHUTDOWN_TIMEOUT_S
+    assert parsed.shutdown_timeout == launch.RANK_SHUTDOWN_TIMEOUT_S
 
 
 def test_a_torchrun_without_shutdown_timeout_gets_no_such_flag(monkeypatch, tmp_path, capsys):
@@ -114,10 +114,10 @@ def test_a_torchrun_without_shutdown_timeout_gets_no_such_flag(monkeypatch, tmp_
     what that costs."""
     import torch.distributed.run as torchrun
 
-    from eagle_jobs import train
     from eagle_jobs.errors import EagleJobsError
     from eagle_jobs.recipe_file import load_recipe
     from eagle_jobs.store import Store
+    from eagle_jobs.train import launch
 
     real = torchrun.get_args_parser
 
@@ -128,11 +128,11 @@ def test_a_torchrun_without_shutdown_timeout_gets_no_such_flag(monkeypatch, tmp_
 
     monkeypatch.setattr(torchrun, "get_args_parser", parser_of_an_older_torch)
     seen = []
-    monkeypatch.setattr(train.subprocess, "Popen",
+    monkeypatch.setattr(launch.subprocess, "Popen",
                         lambda cmd, **kw: seen.append(cmd) or type("P", (), {"wait": lambda s: 1})())
     recipe = load_recipe(REPO / "jobs/kimi-k2.5.yaml")
     with pytest.raises(EagleJobsError):
-        train.run_ranks(recipe, Store.open(f"file://{tmp_path}/s"), "r", None, tmp_path / "w", 1)
+        launch.run_ranks(recipe, Store.open(f"file://{tmp_path}/s"), "r", None, tmp_path / "w", 1)
     assert "--shutdown_timeout" not in seen[0] and "no --shutdown_timeout" in capsys.readouterr().err
 
 

@@ -1,6 +1,6 @@
 """The report a person reads: smoothed curves, held-out points, the exported epoch's estimate."""
 
-from eagle_jobs.evaluate import teacher_forced_estimate
+from eagle_jobs.evaluate.run import teacher_forced_estimate
 from eagle_jobs.report import _epoch_end_steps, _validation, ema, write_report
 
 METRICS = [

@@ -23,7 +23,8 @@ from proc_helpers import kill_pod, read_lines, wait_for
 
 from eagle_jobs.errors import ExitCode
 from eagle_jobs.store import Stage, Store
-from eagle_jobs.train import checkpoint_order, committed_checkpoints, run_train
+from eagle_jobs.train.checkpoints import checkpoint_order, committed_checkpoints
+from eagle_jobs.train.run import run_train
 
 TESTS = Path(__file__).resolve().parent
 

@@ -219,7 +219,7 @@ def test_a_nodes_ranks_count_the_target_tokens_once(tmp_path, monkeypatch):
     """Every training rank needs the vocab mapping's token counts; reading every capture row takes minutes at
     the recipe's scale, so the node's first rank counts, in a few shards at a time, and the others read its
     counts from the work dir; a new capture (another completion) is counted again."""
-    from eagle_jobs import train
+    from eagle_jobs.train import data
 
     st = Store.open(f"file://{tmp_path}/s")
     stage = Stage(st, "r", "capture")
@@ -230,15 +230,15 @@ def test_a_nodes_ranks_count_the_target_tokens_once(tmp_path, monkeypatch):
     real = Store.get_many
     monkeypatch.setattr(Store, "get_many", lambda self, keys, on_batch=None: (reads.append(len(keys)),
                                                                               real(self, keys, on_batch))[1])
-    want = train.token_frequencies([], st, "r")
+    want = data.token_frequencies([], st, "r")
     assert sum(want.values()) == sum(sum(r["loss_mask"]) for r in read_rows(st, "r") if r["split"] == "train")
     reads.clear()
     cache = tmp_path / "work" / "token-frequencies"
-    assert train.token_frequencies([], st, "r", cache) == want and reads  # the first rank counts
+    assert data.token_frequencies([], st, "r", cache) == want and reads  # the first rank counts
     reads.clear()
-    assert train.token_frequencies([], st, "r", cache) == want and not reads  # the others read its counts
+    assert data.token_frequencies([], st, "r", cache) == want and not reads  # the others read its counts
     stage.complete({"again": True})  # a capture completed anew: counted anew
-    assert train.token_frequencies([], st, "r", cache) == want and reads
+    assert data.token_frequencies([], st, "r", cache) == want and reads
 
 
 def test_a_window_wait_ends_when_training_stops_marking_itself_alive(tmp_path, monkeypatch):

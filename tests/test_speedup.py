@@ -50,7 +50,8 @@ def test_timed_pass_counts_streamed_tokens_and_first_chunks(tiny_kimi, tiny_reci
     the pass's wall time, and each TTFT lies inside its pass."""
     from fake_vllm import FakeVllm
 
-    from eagle_jobs.evaluate import chat_body, served_model, timed_pass
+    from eagle_jobs.evaluate.engine import chat_body, served_model
+    from eagle_jobs.evaluate.speed import timed_pass
 
     recipe = tiny_recipe()
     fake = FakeVllm(str(tiny_kimi), reasoning_parser="kimi_k2")
@@ -97,9 +98,9 @@ def evaluated(tmp_path_factory):
     needed there), evaluated on the vllm backend: four servers, each started by the stage (the draft at
     k 3 and at k 1, the untrained draft, none)."""
     from eagle_jobs.capture import run_capture
-    from eagle_jobs.evaluate import run_evaluate
+    from eagle_jobs.evaluate.run import run_evaluate
     from eagle_jobs.extract import run_extract
-    from eagle_jobs.train import run_train
+    from eagle_jobs.train.run import run_train
 
     root = tmp_path_factory.mktemp("speedup")
     held_out = _prompt_file(root / "other.jsonl", TOPICS[5:], "Write two sentences about {}.")
@@ -201,10 +202,10 @@ def test_promote_without_a_measured_speedup_is_refused_only_under_a_threshold(ti
     """The transformers backend measures no speedup: a threshold (the recipe's, recorded by evaluate, or
     promote's own) cannot be met, and says why; without one, promotion is by tau alone."""
     from eagle_jobs.capture import run_capture
-    from eagle_jobs.evaluate import run_evaluate
+    from eagle_jobs.evaluate.run import run_evaluate
     from eagle_jobs.extract import run_extract
     from eagle_jobs.promote import promote
-    from eagle_jobs.train import run_train
+    from eagle_jobs.train.run import run_train
 
     recipe = tiny_recipe(train={"epochs": 1}, evaluate={"num_prompts": 2, "min_speedup": 1.0})
     st = Store.open(recipe.store.uri)
@@ -258,7 +259,7 @@ def _serve(line: str, port: int) -> tuple[object, str]:
 def _drafts_for_one_request(base: str) -> float:
     import httpx
 
-    from eagle_jobs.evaluate import spec_counters
+    from eagle_jobs.evaluate.engine import spec_counters
 
     model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
     before = spec_counters(base).get("num_drafts", 0.0)

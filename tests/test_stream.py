@@ -31,8 +31,8 @@ from eagle_jobs.errors import BadInput
 from eagle_jobs.pipeline import run_streamed
 from eagle_jobs.recipe_file import load_recipe
 from eagle_jobs.store import Stage, Store
-from eagle_jobs.train import stream_groups
-from eagle_jobs.train_data import StreamBatchSampler
+from eagle_jobs.train.data import StreamBatchSampler
+from eagle_jobs.train.stream_feed import stream_groups
 
 TESTS = Path(__file__).resolve().parent
 
@@ -210,15 +210,15 @@ def test_keep_mode_stages_each_shard_on_local_disk_so_later_epochs_read_none_fro
                                                                                             bucket, monkeypatch):
     """The node cache: with train.later_epochs keep, the shards a later epoch reads again are staged to
     the work dir as they commit (train.ShardStager), and the second epoch reads them there."""
-    from eagle_jobs import train_data
-    from eagle_jobs.train_data import staged_name
+    from eagle_jobs.train import data
+    from eagle_jobs.train.data import staged_name
 
     monkeypatch.setenv("EAGLE_JOBS_WORK_DIR", str(tmp_path / "work"))
     recipe = _stream_recipe(tiny_recipe, tmp_path, f"s3://{bucket}/runs", later_epochs="keep")
     st = Store.open(recipe.store.uri)
     run_capture(recipe, st, "r")
     reads, from_store = Counter(), Counter()
-    staged, ranged = train_data.read_staged, train_data.read_sample_bytes
+    staged, ranged = data.read_staged, data.read_sample_bytes
 
     def spy_staged(store, run_id, root, fname, local_name, e):
         reads[fname, e["row_id"]] += 1
@@ -228,8 +228,8 @@ def test_keep_mode_stages_each_shard_on_local_disk_so_later_epochs_read_none_fro
         from_store[fname, e["row_id"]] += 1
         return ranged(store, run_id, fname, e)
 
-    monkeypatch.setattr(train_data, "read_staged", spy_staged)
-    monkeypatch.setattr(train_data, "read_sample_bytes", spy_store)
+    monkeypatch.setattr(data, "read_staged", spy_staged)
+    monkeypatch.setattr(data, "read_sample_bytes", spy_store)
     run_streamed(recipe, st, "r")
     manifests = Stage(st, "r", "extract").manifests()
     train = {(f"{m['shard']}.safetensors", e["row_id"]) for m in manifests if not stream.is_validation(m)
@@ -425,7 +425,7 @@ def test_streaming_over_an_extraction_made_in_stored_mode_is_refused_in_one_line
     """Stored and stream plans name their shards alike but fill them differently: a stream must never read
     a stored extraction's shard as if it held the rows the stream plan puts there."""
     from eagle_jobs.extract import run_extract
-    from eagle_jobs.train import run_train
+    from eagle_jobs.train.run import run_train
 
     stored = _stream_recipe(tiny_recipe, tmp_path, f"file://{tmp_path}/store").model_dump(mode="json")
     stored["train"] |= {"source": "stored", "later_epochs": "keep"}

@@ -17,7 +17,7 @@ from eagle_jobs.committed import download_final
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
 from eagle_jobs.extract import run_extract
 from eagle_jobs.store import Stage, Store
-from eagle_jobs.train import run_train
+from eagle_jobs.train.run import run_train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -254,7 +254,7 @@ def test_resume_after_sigterm_mid_training(tiny_recipe, tmp_path, monkeypatch):
 
 
 def test_the_epoch_with_the_best_held_out_tau_estimate_is_exported_not_the_lowest_loss():
-    from eagle_jobs.train import select_epoch
+    from eagle_jobs.train.checkpoints import select_epoch
 
     def val(epoch, *accs, loss):
         return {"val": {**{f"full_acc_{i}_epoch": a for i, a in enumerate(accs)}, "loss_epoch": loss}, "epoch": epoch}
@@ -274,7 +274,7 @@ def test_final_is_the_selected_epochs_checkpoint_fetched_back_from_the_store(tin
     """Local epochs are pruned once committed; an earlier best epoch comes back from the store for export."""
     from safetensors.torch import load as load_st
 
-    from eagle_jobs import train
+    from eagle_jobs.train import checkpoints
 
     recipe = tiny_recipe(train={"epochs": 3})
     st = _prepared(recipe, f"file://{tmp_path}/s")
@@ -284,9 +284,9 @@ def test_final_is_the_selected_epochs_checkpoint_fetched_back_from_the_store(tin
         chosen["real"] = real(records, k, last)
         return {**chosen["real"], "epoch": 0, "tau_estimate": chosen["real"]["per_epoch"]["0"]}
 
-    real = train.select_epoch
-    monkeypatch.setattr(train, "select_epoch", first_epoch)
-    rec = train.run_train(recipe, st, "r", work_dir=tmp_path / "w")
+    real = checkpoints.select_epoch
+    monkeypatch.setattr(checkpoints, "select_epoch", first_epoch)
+    rec = run_train(recipe, st, "r", work_dir=tmp_path / "w")
     assert sorted(chosen["real"]["per_epoch"]) == ["0", "1", "2"] and rec["selection"]["epoch"] == 0
     stage = Stage(st, "r", "train")
     final, ckpt0, ckpt2 = (stage.manifest(n) for n in ("final", "checkpoint-0000", "checkpoint-0002"))

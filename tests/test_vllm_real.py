@@ -53,7 +53,7 @@ def think_model(tmp_path_factory) -> Path:
 
 def build_chain(request, tmp_path_factory, name: str):
     """capture and extract each start their own vLLM; the draft trains on what they committed."""
-    from eagle_jobs.train import run_train
+    from eagle_jobs.train.run import run_train
 
     root = tmp_path_factory.mktemp(f"real-vllm-{name}")
     prompts = root / "prompts.jsonl"
@@ -151,7 +151,9 @@ def eagle3_server(smollm2_chain):
 def test_eagle3_tau_from_metrics_equals_the_transformers_loop(smollm2_chain, eagle3_server):
     import vllm
 
-    from eagle_jobs.evaluate import eval_prompts, evaluate_transformers, evaluate_vllm
+    from eagle_jobs.evaluate.decode import evaluate_transformers
+    from eagle_jobs.evaluate.served import evaluate_vllm
+    from eagle_jobs.evaluate.sets import eval_prompts
 
     recipe, _st, _root = smollm2_chain
     base, draft = eagle3_server
@@ -172,8 +174,10 @@ def test_eagle3_tau_from_metrics_equals_the_transformers_loop(smollm2_chain, eag
 def test_tau_by_output_position_from_vllm_equals_the_transformers_loop(smollm2_chain, eagle3_server):
     """Longer answers than the draft was trained on (24 tokens): vLLM's per-request verify steps
     (--per-request-spec-decode-metrics detailed) bucketed by output position equal the loop's, step for step."""
-    from eagle_jobs.evaluate import LONG_OUTPUT_SET, eval_prompts, evaluate_transformers, evaluate_vllm_sets
-    from eagle_jobs.recipe import LongOutputSpec
+    from eagle_jobs.evaluate.decode import evaluate_transformers
+    from eagle_jobs.evaluate.served import evaluate_vllm_sets
+    from eagle_jobs.evaluate.sets import eval_prompts
+    from eagle_jobs.recipe import LONG_OUTPUT_SET, LongOutputSpec
 
     recipe, _st, _root = smollm2_chain
     base, draft = eagle3_server

@@ -104,17 +104,18 @@ def extract(recipe: Recipe, store: Store, run_id: str, worker: int, workers: int
 
 
 def train(recipe: Recipe, store: Store, run_id: str, _worker: int, _workers: int) -> dict:
-    from eagle_jobs import train as tr
     from eagle_jobs.heartbeat import beat
+    from eagle_jobs.train.data import TrainData, vocab_mapping
+    from eagle_jobs.train.run import check_extraction
 
-    info, _tcfg, shape = tr.check_extraction(recipe, store, run_id)
+    info, _tcfg, shape = check_extraction(recipe, store, run_id)
     beat(force=True)
     t0 = time.monotonic()
-    _d2t, _t2d, coverage = tr.vocab_mapping(info, store, run_id, shape, Path(os.environ["REHEARSAL_WORK"]))
+    _d2t, _t2d, coverage = vocab_mapping(info, store, run_id, shape, Path(os.environ["REHEARSAL_WORK"]))
     vocab_s = time.monotonic() - t0
     beat(force=True)
-    data = tr.TrainData.create(recipe, store, run_id, info, shape, Path(os.environ["REHEARSAL_WORK"]),
-                               torch.float32)
+    data = TrainData.create(recipe, store, run_id, info, shape, Path(os.environ["REHEARSAL_WORK"]),
+                            torch.float32)
     beat(force=True)
     feed = data.feed
     steps = checkpoints = 0
@@ -131,7 +132,7 @@ def train(recipe: Recipe, store: Store, run_id: str, _worker: int, _workers: int
 
 
 def evaluate(recipe: Recipe, _store: Store, _run_id: str, _worker: int, _workers: int) -> dict:
-    from eagle_jobs.evaluate import eval_sets
+    from eagle_jobs.evaluate.sets import eval_sets
     from eagle_jobs.heartbeat import beat
 
     sets = eval_sets(recipe)

@@ -153,7 +153,7 @@ def train(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
     Writes <store>/<run>/train/ (epoch and step checkpoints, final/: the draft vLLM serves).
     Example: eagle-jobs train --recipe jobs/demo.yaml
     """
-    from eagle_jobs.train import run_train
+    from eagle_jobs.train.run import run_train
 
     r, st, rid = _context(recipe, store, run_id)
     run_train(_arm(r, variant), st, rid, max_steps=max_steps, variant=variant)
@@ -170,7 +170,7 @@ def evaluate(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None,
     Writes <store>/<run>/eval/data/ (report.json, report.md and its plots), or --output.
     Example: eagle-jobs evaluate --recipe jobs/demo.yaml
     """
-    from eagle_jobs.evaluate import run_evaluate
+    from eagle_jobs.evaluate.run import run_evaluate
 
     r, st, rid = _context(recipe, store, run_id)
     arm = _arm(r, variant)
@@ -609,8 +609,8 @@ def main() -> None:
         sys.exit(rc if isinstance(rc, int) else 0)
     except EagleJobsError as e:
         print(f"eagle-jobs: error: {e}", file=sys.stderr)
-        if "EAGLE_JOBS_RANK_EXITS" in os.environ:  # a training rank: tell the launcher (train.launch_ranks)
-            from eagle_jobs.train import record_rank_exit
+        if "EAGLE_JOBS_RANK_EXITS" in os.environ:  # a training rank: tell the launcher (train.launch.launch_ranks)
+            from eagle_jobs.train.launch import record_rank_exit
 
             record_rank_exit(e.code)
         sys.exit(int(e.code))

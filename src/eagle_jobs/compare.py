@@ -37,8 +37,8 @@ def arm_names(recipe: Recipe, only: list[str] | None = None) -> list[str]:
 
 def run_arm(recipe: Recipe, store: Store, run_id: str, name: str, train_only: bool = False) -> str:
     """Train and evaluate one arm unless its evaluation is committed; what was done."""
-    from eagle_jobs.evaluate import run_evaluate
-    from eagle_jobs.train import run_train
+    from eagle_jobs.evaluate.run import run_evaluate
+    from eagle_jobs.train.run import run_train
 
     if Stage(store, run_id, eval_dir(name)).is_complete():
         return "skipped (committed)"

@@ -1,10 +1,10 @@
 """Which epoch to ship: served tau per epoch checkpoint against training's estimate.
 
-train exports the epoch with the best teacher-forced tau estimate (train.select_epoch: 1 + sum of
+train exports the epoch with the best teacher-forced tau estimate (train.checkpoints.select_epoch: 1 + sum of
 the held-out full_acc_i). `eagle-jobs rank-epochs` checks that choice against what users get: each
-committed epoch checkpoint is exported as vLLM serves it (train.restore_served: the weights and
+committed epoch checkpoint is exported as vLLM serves it (train.checkpoints.restore_served: the weights and
 config final/ would hold), served on the first N prompts of the held-out split with the recipe's
-evaluate settings (evaluate.evaluate_vllm_sets: one server per epoch, its start included in the
+evaluate settings (evaluate.served.evaluate_vllm_sets: one server per epoch, its start included in the
 epoch's wall time), and the two rankings are compared by Spearman's rank correlation. Each epoch's
 measurement is committed on its own (<run>/[variants/<v>/]epochs/data/epoch-NNNN-<key>.json), so a
 rerun serves only what is not committed yet; the report is data/report.json and report.md.
@@ -85,9 +85,9 @@ def check_servable(recipe: Recipe) -> None:
 
 def held_out_prompts(recipe: Recipe, n: int) -> tuple[list[list[dict]], int | None]:
     """The first n prompts of the recipe's held-out split, as evaluate sends them (first turns, over-long
-    ones skipped and counted: evaluate.within_limits); and how many were skipped. On the vLLM backend
+    ones skipped and counted: evaluate.sets.within_limits); and how many were skipped. On the vLLM backend
     every epoch's server skips and counts them itself (None here)."""
-    from eagle_jobs.evaluate import eval_sets, within_limits
+    from eagle_jobs.evaluate.sets import eval_sets, within_limits
 
     only_held_out = recipe.evaluate.model_copy(update={"prompt_sets": {}, "num_prompts": n, "long_output": None})
     r = recipe.model_copy(update={"evaluate": only_held_out})
@@ -98,7 +98,7 @@ def held_out_prompts(recipe: Recipe, n: int) -> tuple[list[list[dict]], int | No
     if "validation" not in sets:
         raise BadInput(f"ranking epochs serves the held-out split of {recipe.prompts.source}, and it has none: "
                        "set prompts.validation (a count or a fraction), or train.select_by: estimate")
-    if recipe.evaluate.backend == "vllm":  # each epoch's server counts them (evaluate.served_token_count)
+    if recipe.evaluate.backend == "vllm":  # each epoch's server counts them (evaluate.sets.served_token_count)
         return sets["validation"], None
     kept, skipped = within_limits(r, {"validation": sets["validation"]})
     return kept["validation"], skipped["validation"]
@@ -118,7 +118,7 @@ def measurement_key(recipe: Recipe, ckpt: dict, prompts_sha: str) -> str:
 def train_record(store: Store, run_id: str, variant: str | None) -> dict:
     """train's record of the run's final/ (its train_config.json and metrics.json): the copy kept in the
     epochs stage when select_served rewrote final/, else final/ itself."""
-    from eagle_jobs.train import epoch_checkpoints
+    from eagle_jobs.train.checkpoints import epoch_checkpoints
 
     train = Stage(store, run_id, train_dir(variant))
     kept = Stage(store, run_id, epochs_dir(variant)).manifest(TRAIN_RECORD)
@@ -141,8 +141,9 @@ def train_record(store: Store, run_id: str, variant: str | None) -> dict:
 def serve_epoch(recipe: Recipe, train: Stage, ckpt: dict, prompts: list[list[dict]]) -> dict:
     """tau of one epoch checkpoint served on `prompts`, with the recipe's evaluate backend and settings;
     wall_s counts everything that serving it costs: the download, the server's start, the requests."""
-    from eagle_jobs.evaluate import evaluate_transformers, evaluate_vllm_sets
-    from eagle_jobs.train import restore_served
+    from eagle_jobs.evaluate.decode import evaluate_transformers
+    from eagle_jobs.evaluate.served import evaluate_vllm_sets
+    from eagle_jobs.train.checkpoints import restore_served
 
     started = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix=f"eagle-epoch-{ckpt['epoch']}-"))
@@ -166,7 +167,7 @@ def served_rows(recipe: Recipe, store: Store, run_id: str, variant: str | None,
                 prompts: list[list[dict]]) -> list[dict]:
     """One served measurement per committed epoch checkpoint: committed ones are read back, the others
     served now and committed one by one (an interrupted ranking resumes at the next epoch)."""
-    from eagle_jobs.train import epoch_checkpoints
+    from eagle_jobs.train.checkpoints import epoch_checkpoints
 
     train, stage = Stage(store, run_id, train_dir(variant)), Stage(store, run_id, epochs_dir(variant))
     prompts_sha = content_hash(prompts)
@@ -204,7 +205,7 @@ def rank_epochs(recipe: Recipe, store: Store, run_id: str, variant: str | None =
                 num_prompts: int = DEFAULT_PROMPTS) -> dict:
     """Served tau of every committed epoch checkpoint beside the teacher-forced estimate, their rank
     correlation and what serving cost; committed as <epochs>/data/report.json and report.md."""
-    from eagle_jobs.train import estimate_depth, select_epoch
+    from eagle_jobs.train.checkpoints import estimate_depth, select_epoch
 
     check_servable(recipe)
     record = train_record(store, run_id, variant)
@@ -286,7 +287,7 @@ def keep_train_record(store: Store, run_id: str, variant: str | None) -> dict:
 def select_served(recipe: Recipe, store: Store, run_id: str, variant: str | None = None,
                   num_prompts: int = DEFAULT_PROMPTS) -> str:
     """final/ becomes the best-served epoch (rank_epochs); what was done. Skipped once final/ says so."""
-    from eagle_jobs.train import epoch_checkpoints, export_final, restore_served
+    from eagle_jobs.train.checkpoints import epoch_checkpoints, export_final, restore_served
 
     train = Stage(store, run_id, train_dir(variant))
     final = train.manifest("final")

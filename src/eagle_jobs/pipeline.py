@@ -33,7 +33,7 @@ def run_streamed(recipe: Recipe, store: Store, run_id: str) -> dict:
     commit; the store's extraction bytes are sampled every second for the peak."""
     from eagle_jobs import stream
     from eagle_jobs.extract import run_extract
-    from eagle_jobs.train import run_train
+    from eagle_jobs.train.run import run_train
 
     stream.clear_failed(store, run_id)
     done, peak, ended = threading.Event(), [0], [0.0]
@@ -74,16 +74,16 @@ def run_streamed(recipe: Recipe, store: Store, run_id: str) -> dict:
 
 def run_pipeline(recipe: Recipe, store: Store, run_id: str, stages: list[str] | None = None) -> dict:
     from eagle_jobs.capture import run_capture
-    from eagle_jobs.evaluate import run_evaluate
+    from eagle_jobs.evaluate.run import run_evaluate
     from eagle_jobs.extract import run_extract
-    from eagle_jobs.train import run_train
+    from eagle_jobs.train.run import run_train
 
     wanted = stages or STAGES
     unknown = [s for s in wanted if s not in STAGES]
     if unknown:
         raise BadInput(f"--stages: unknown stage(s) {unknown}; choose from {STAGES}")
     if "evaluate" in wanted:
-        from eagle_jobs.evaluate import eval_sets
+        from eagle_jobs.evaluate.sets import eval_sets
 
         eval_sets(recipe)  # no held-out split and no benchmark set: refused now, not after training
     select = recipe.train.select_by == "served" and bool({"train", "evaluate"} & set(wanted))

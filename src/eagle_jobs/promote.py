@@ -104,9 +104,9 @@ def shared_sets(report: dict, current: dict, run_id: str, tau: float, sets: dict
 
 
 def check_engines(report: dict, current: dict, run_id: str) -> None:
-    """τ compares only under one engine (evaluate.engine_record's key): another vLLM version, model runner,
+    """τ compares only under one engine (evaluate.engine.engine_record's key): another vLLM version, model runner,
     attention backend, rejection rule or sampling moves it without the draft changing (vLLM #40551)."""
-    from eagle_jobs.evaluate import describe_engine
+    from eagle_jobs.evaluate.engine import describe_engine
 
     new, old = report.get("engine"), current.get("engine")
     if not new or not old or new["key"] != old["key"]:
@@ -122,7 +122,8 @@ def remeasure(store: Store, run_id: str, dest: Store, current: dict) -> tuple[di
     from pathlib import Path
 
     from eagle_jobs.committed import download_final
-    from eagle_jobs.evaluate import eval_sets, tau_on_this_engine
+    from eagle_jobs.evaluate.run import tau_on_this_engine
+    from eagle_jobs.evaluate.sets import eval_sets
     from eagle_jobs.recipe import Recipe
 
     work = Path(tempfile.mkdtemp(prefix="eagle-promote-"))

@@ -175,7 +175,7 @@ class PromptSetResult(TypedDict):
 
 
 class EngineRecord(TypedDict):
-    """What measured a τ and a speedup (evaluate.engine_record): two figures compare only under one `key`."""
+    """What measured a τ and a speedup (evaluate.engine.engine_record): two figures compare only under one `key`."""
 
     engine: str  # vllm | transformers
     version: str  # the server's /version, or transformers' and torch's

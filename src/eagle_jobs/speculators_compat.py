@@ -66,7 +66,7 @@ And for train.source stream:
 13. `_setup_dataloader` builds its own MultipackDistributedBatchSamplerV2 over the
    dataset's lengths, shuffled across the whole epoch. `stream_dataloader` builds the
    same DataLoader (CollateFn, workers by spawn, pinned memory) around the stream's
-   sampler (train_data.StreamBatchSampler, a subclass of speculators' own), and
+   sampler (train.data.StreamBatchSampler, a subclass of speculators' own), and
    StoreTrainer also saves after a step where `checkpoint_due(epoch, step)` is true
    (the same on every rank: it is computed from the plan), so training commits the
    checkpoint that lets the shards it has finished with leave the window.

@@ -303,7 +303,7 @@ def clear_failed(store: Store, run_id: str) -> None:
 
 
 def committed_in_order(store: Store, run_id: str, names: Sequence[str]) -> Iterator[dict]:
-    """The manifests of `names`, each once extraction commits it, quietly (train.ShardStager's
+    """The manifests of `names`, each once extraction commits it, quietly (train.data.ShardStager's
     source: the trainer's own reads say where the stream is). Ends at a failed extraction or at a
     shard a completed extraction does not hold; training itself reports both."""
     stage = Stage(store, run_id, StageName.EXTRACT.dir)
