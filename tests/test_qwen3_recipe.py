@@ -54,14 +54,15 @@ def _gpus(c: dict) -> int:
 
 
 def test_the_overlay_gives_each_stage_one_gpu_of_an_h100_or_h200_node_and_carries_the_recipe(rendered):
-    from eagle_jobs.recipe import Recipe
+    from eagle_jobs.recipe_file import recipe_from_text
 
     pods = _pods(rendered)
     assert list(pods) == ["mirror", *STAGES, "guard"]
     (cm,) = [d for d in rendered if d["kind"] == "ConfigMap" and "recipe.yaml" in d.get("data", {})]
     text = cm["data"]["recipe.yaml"]
     assert text == RECIPE.read_text() == (OVERLAY / "recipe.yaml").read_text(), "run `make k8s-recipes`"
-    recipe = Recipe.model_validate(yaml.safe_load(text))
+    recipe = recipe_from_text(text, "the ConfigMap", "s3://eagle-jobs")  # as the pods read it
+    assert recipe.verifier.weights == f"s3://eagle-jobs/models/Qwen/Qwen3-8B/{recipe.verifier.revision}"
     assert recipe.plan.gpus_per_node == recipe.train.nproc_per_node * recipe.train.nnodes == 1
     h100, h200 = gfd_product("NVIDIA H100 80GB HBM3"), gfd_product("NVIDIA H200")
     assert (h100, h200) == ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H200")
@@ -101,10 +102,10 @@ def test_the_recipe_plans_the_qwen3_8b_draft_and_vllm_serves_it_as_stated(tmp_pa
     from eagle_jobs.cli import app
     from eagle_jobs.draft import resolve_shape
     from eagle_jobs.plan import make_plan
-    from eagle_jobs.recipe import Recipe
+    from eagle_jobs.recipe_file import load_recipe
     from eagle_jobs.serve_plans import capture_plan, evaluate_plan
 
-    recipe = Recipe.model_validate(yaml.safe_load(RECIPE.read_text()))
+    recipe = load_recipe(RECIPE)
     out = CliRunner().invoke(app, ["plan", "--recipe", str(RECIPE), "--json"])
     assert out.exit_code == 0, out.output
     plan = json.loads(out.stdout)
