@@ -23,14 +23,15 @@ shards (recipe.WINDOW_SHARDS), training checks steps (`check_window`).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from eagle_jobs.committed import RowRef
 from eagle_jobs.errors import BadInput, EagleJobsError
-from eagle_jobs.heartbeat import beat
 from eagle_jobs.layout import STREAM, StageName
+from eagle_jobs.poll import poll_until
 from eagle_jobs.progress import console
 from eagle_jobs.records import Split
 from eagle_jobs.sharding import owned, plan_shards, shard_name
@@ -223,17 +224,18 @@ class Window:
             if now - at < RECOUNT_S and live + mine + nbytes <= self.window - self.window // GROUP_SHARE:
                 self._counted = (live, at, mine + nbytes)
                 return
-        started, last = now, None
-        while (live := self.live()) and live + nbytes > self.window and not self.needed(shard):
-            beat()
-            now = time.monotonic()
-            if last is None or now - last >= REPORT_S:
-                check_training_alive(self.store, self.run_id, self.started)
-            if last is None or now - last >= REPORT_S:
-                say(f"  window full: {mib(live)} of {mib(self.window)} not yet trained on; "
-                    f"waiting for training ({now - started:.0f} s)")
-                last = now
-            time.sleep(POLL_S)
+        counted = [0]
+
+        def fits() -> int | None:
+            counted[0] = live = self.live()
+            return live if not live or live + nbytes <= self.window or self.needed(shard) else None
+
+        def still_full(waited: float) -> None:  # a GET of the trainer's mark per report, not per look
+            check_training_alive(self.store, self.run_id, self.started)
+            say(f"  window full: {mib(counted[0])} of {mib(self.window)} not yet trained on; "
+                f"waiting for training ({waited:.0f} s)")
+
+        live = poll_until(fits, still_full, every_s=POLL_S, report_s=REPORT_S)
         self._counted = (live, time.monotonic(), nbytes)
 
 
@@ -307,17 +309,21 @@ def committed_in_order(store: Store, run_id: str, names: Sequence[str]) -> Itera
     source: the trainer's own reads say where the stream is). Ends at a failed extraction or at a
     shard a completed extraction does not hold; training itself reports both."""
     stage = Stage(store, run_id, StageName.EXTRACT.dir)
+    end: dict = {}  # what a look returns when the stream ends without the shard
+
+    def look(name: str) -> dict | None:
+        if store.exists(failed_key(run_id)):
+            return end
+        done = stage.is_complete()  # before the manifest's second look: it may commit in between
+        m = stage.manifest(name)
+        return m if m is not None else (end if done else None)
+
     for name in names:
         m = stage.manifest(name)
-        while m is None:
-            if store.exists(failed_key(run_id)):
-                return
-            done = stage.is_complete()  # before the manifest's second look: it may commit in between
-            if (m := stage.manifest(name)) is None:
-                if done:
-                    return
-                beat()
-                time.sleep(POLL_S)
+        if m is None:
+            m = poll_until(functools.partial(look, name), every_s=POLL_S, report_s=REPORT_S)
+        if m is end:
+            return
         yield m
 
 

@@ -13,38 +13,36 @@ import time
 from dataclasses import dataclass, field
 
 from eagle_jobs.layout import StageName
+from eagle_jobs.poll import poll_until
 from eagle_jobs.progress import console
 from eagle_jobs.store import Stage, Store
 
 
 def wait_committed(store: Store, run_id: str, shard: str, order: list[str]) -> dict:
     """The manifest of `shard` once extraction commits it; says where training is in the stream."""
-    import time
-
     from eagle_jobs import stream
     from eagle_jobs.errors import BadInput
-    from eagle_jobs.heartbeat import beat
-    from eagle_jobs.layout import StageName
-    from eagle_jobs.progress import console
-    from eagle_jobs.store import Stage
 
     stage = Stage(store, run_id, StageName.EXTRACT.dir)
-    pos, started, last = order.index(shard), time.monotonic(), None
-    while (m := stage.manifest(shard)) is None:
+    pos, marked = order.index(shard), False
+
+    def failed() -> None:
+        nonlocal marked
         stream.check_not_failed(store, run_id)
-        if last is None:  # extraction lets the shard training is blocked on through a full window
+        if not marked:  # extraction lets the shard training is blocked on through a full window
             stream.mark_waiting(store, run_id, shard)
-        beat()  # waiting for extraction is progress (stream.Window.wait)
+            marked = True
         if stage.is_complete() and stage.manifest(shard) is None:
             raise BadInput(f"train: extraction of run '{run_id}' completed without shard {shard} of the stream "
                            "plan: were the rows or the recipe changed? rerun extract with this recipe")
-        now = time.monotonic()
-        if last is None or now - last >= stream.REPORT_S:
-            have = len(stage.store.list(stage.key("manifests")))
-            console.print(f"  stream: training waits for shard {pos + 1} of {len(order)} ({shard}); extraction "
-                          f"has committed {have} ({now - started:.0f} s)", markup=False, highlight=False)
-            last = now
-        time.sleep(stream.POLL_S)
+
+    def say(waited: float) -> None:
+        have = len(stage.store.list(stage.key("manifests")))
+        console.print(f"  stream: training waits for shard {pos + 1} of {len(order)} ({shard}); extraction "
+                      f"has committed {have} ({waited:.0f} s)", markup=False, highlight=False)
+
+    # waiting for extraction is progress: poll_until beats the heartbeat (stream.Window.wait)
+    m = poll_until(lambda: stage.manifest(shard), say, failed, every_s=stream.POLL_S, report_s=stream.REPORT_S)
     have = len(stage.store.list(stage.key("manifests")))
     console.print(f"  stream: reading shard {pos + 1} of {len(order)}; extraction has committed {have}, "
                   f"{max(0, have - pos - 1)} ahead of training", markup=False, highlight=False)
@@ -54,18 +52,14 @@ def wait_committed(store: Store, run_id: str, shard: str, order: list[str]) -> d
 def first_worker_count(store: Store, run_id: str) -> int:
     """The extraction's worker count, from its first committed shard's name (waits for one)."""
     from eagle_jobs import stream
-    from eagle_jobs.heartbeat import beat
 
     stage = Stage(store, run_id, StageName.EXTRACT.dir)
-    started, last = time.monotonic(), None
-    while not (keys := stage.store.list(stage.key("manifests"))):
-        stream.check_not_failed(store, run_id)
-        beat()
-        now = time.monotonic()
-        if last is None or now - last >= stream.REPORT_S:  # a verifier can take an hour to load
-            console.print(f"  stream: waiting for extraction's first shard ({now - started:.0f} s)", markup=False)
-            last = now
-        time.sleep(stream.POLL_S)
+
+    def say(waited: float) -> None:  # a verifier can take an hour to load
+        console.print(f"  stream: waiting for extraction's first shard ({waited:.0f} s)", markup=False)
+
+    keys = poll_until(lambda: stage.store.list(stage.key("manifests")) or None, say,
+                      lambda: stream.check_not_failed(store, run_id), every_s=stream.POLL_S, report_s=stream.REPORT_S)
     first = keys[0].rsplit("/", 1)[1].removesuffix(".json")
     wait_committed(store, run_id, first, [first])
     return stream.num_workers_of(first)

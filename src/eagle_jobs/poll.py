@@ -1,0 +1,36 @@
+"""One way to wait on another process: look again until something is ready.
+
+Between looks `poll_until` calls `failed` (which raises when the wait can never end: the other side failed or
+finished without the thing waited for), beats the heartbeat (a wait on the pipeline's other side is progress,
+so a pod's liveness probe does not kill a worker that waits on a slow peer: eagle_jobs/heartbeat.py), and calls
+`say` with the seconds waited, on the first wait and then every `report_s`. The stream's waits use it:
+extraction on a full window, training on a shard, on extraction's first shard, and on the shards it stages.
+
+Imports nothing heavy: speculators' spawned loader workers wait through it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from eagle_jobs.heartbeat import beat
+
+T = TypeVar("T")
+
+
+def poll_until(ready: Callable[[], T | None], say: Callable[[float], None] | None = None,
+               failed: Callable[[], None] | None = None, *, every_s: float, report_s: float) -> T:
+    """ready()'s first value that is not None, looking every `every_s` seconds."""
+    started, last = time.monotonic(), None
+    while (value := ready()) is None:
+        if failed is not None:
+            failed()
+        beat()
+        now = time.monotonic()
+        if say is not None and (last is None or now - last >= report_s):
+            say(now - started)
+            last = now
+        time.sleep(every_s)
+    return value
