@@ -153,6 +153,83 @@ def test_a_slow_pull_that_succeeds_and_a_loading_server_are_left_alone_and_the_g
     assert why is None and 3 * STUCK_AFTER_S <= t <= 3 * STUCK_AFTER_S + POLL_S
 
 
+def _train_pod(jobset: dict, node: str) -> dict:
+    """A running train pod as the rendered overlay makes it, bound to `node`."""
+    name = jobset["metadata"]["name"]
+    (rj,) = [r for r in jobset["spec"]["replicatedJobs"] if r["name"] == "train"]
+    spec = copy.deepcopy(rj["template"]["spec"]["template"]["spec"])
+    pod = _pod(f"{name}-train-0-0-klmno", "train", name, main=[_running("worker")])
+    pod["spec"] = {**spec, "nodeName": node}
+    pod["status"]["phase"] = "Running"
+    return pod
+
+
+def _evicted(pod: dict, at: str) -> dict:
+    """What the taint manager leaves on a pod of an unreachable node (kubernetes v1.33.2
+    pkg/controller/tainteviction/taint_eviction.go:129-139 adds the condition, then deletes the pod; the API
+    server sets deletionTimestamp and deletionGracePeriodSeconds from the pod's grace), and the node lifecycle
+    controller's Ready=False (pkg/controller/util/node MarkPodsNotReady). No kubelet answers, so the phase
+    stays Running."""
+    pod = copy.deepcopy(pod)
+    grace = pod["spec"]["terminationGracePeriodSeconds"]
+    pod["metadata"].update(deletionTimestamp=at, deletionGracePeriodSeconds=grace)
+    pod["status"]["conditions"] = [
+        {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager",
+         "message": "Taint manager: deleting due to NoExecute taint"},
+        {"type": "Ready", "status": "False"}]
+    return pod
+
+
+def test_a_pod_on_a_lost_node_fails_the_run_minutes_after_its_grace_not_at_the_deadline(kube, jobset):
+    """The node stops answering at t = 0: NotReady at 50 s, the pod deleted at 350 s (the default 300 s
+    toleration of unreachable), and then it terminates for ever: the Job replaces it only once it is gone."""
+    pod = _train_pod(jobset, "gpu-node-7")
+    grace = pod["spec"]["terminationGracePeriodSeconds"]
+    assert grace == 300  # the train pod's one SIGTERM save (docs/OPERATIONS.md#preemption)
+    evicted = 350.0
+
+    def script(t, fake):
+        _set(fake, _evicted(pod, "2026-12-06T00:05:50Z") if t >= evicted else pod)
+        if t >= 4 * (evicted + grace + STUCK_AFTER_S):  # stands for the deadline, days later: the run failed
+            fake.set_status(JS_COLL, pod["metadata"]["labels"]["jobset.sigs.k8s.io/jobset-name"], {
+                "conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded"}]})
+
+    why, t = _play(kube, jobset, script)
+    assert why is not None, f"the guard let the lost node's pod wait {t:.0f} s, until the run failed by itself"
+    assert evicted + grace + STUCK_AFTER_S <= t <= evicted + grace + STUCK_AFTER_S + 2 * POLL_S
+    assert why.startswith(f"pod {pod['metadata']['name']} on node gpu-node-7: terminating for ")
+    assert f"past its {grace} s grace (DeletionByTaintManager: Taint manager: deleting due to NoExecute taint)" in why
+    assert "kubectl taint node gpu-node-7 node.kubernetes.io/out-of-service=nodeshutdown:NoExecute" in why
+    (rj,) = [r for r in jobset["spec"]["replicatedJobs"] if r["name"] == "train"]
+    assert t < rj["template"]["spec"]["activeDeadlineSeconds"] / 100
+
+
+def test_a_pod_that_ends_within_its_grace_is_left_alone(kube, jobset):
+    """A deleted pod whose kubelet answers ends within its grace (a preemption's SIGTERM save) and is gone, or
+    ends Failed and waits for the Job controller's finalizer: neither is a lost node."""
+    name = jobset["metadata"]["name"]
+    stages = [rj["name"] for rj in jobset["spec"]["replicatedJobs"] if rj["name"] != "guard"]
+    pod = _train_pod(jobset, "gpu-node-3")
+    grace = pod["spec"]["terminationGracePeriodSeconds"]
+    failed = copy.deepcopy(pod)
+    failed["metadata"]["name"] = f"{name}-train-0-1-pqrst"
+    failed = _evicted(failed, "2026-12-06T00:00:00Z")
+    failed["status"]["phase"] = "Failed"
+
+    def script(t, fake):
+        if t < grace - POLL_S:
+            _set(fake, _evicted(pod, "2026-12-06T00:00:00Z"))
+        elif fake.get(PODS, pod["metadata"]["name"]) is not None:
+            fake.delete(PODS, pod["metadata"]["name"])
+        _set(fake, failed)
+        if t >= 2 * (grace + STUCK_AFTER_S):
+            fake.set_status(JS_COLL, name, {"replicatedJobsStatus": [
+                {"name": s, "succeeded": 1, "ready": 0, "failed": 0, "active": 0, "suspended": 0} for s in stages]})
+
+    why, t = _play(kube, jobset, script)
+    assert why is None and t >= 2 * (grace + STUCK_AFTER_S)
+
+
 def test_status_and_watch_name_the_guards_reason():
     """The JobSet fails through the guard's Job (podFailurePolicy FailJob on exit 12): watch exits 26, and the
     guard's pod shows its last line (terminationMessagePolicy FallbackToLogsOnError)."""

@@ -5,8 +5,12 @@ The kubelet waits, and never fails the pod, where a run cannot go on (kubernetes
   backoff of up to 5 minutes, for ever;
 - a Secret or ConfigMap it names that does not exist: CreateContainerConfigError, retried at every sync;
 - a restartable sidecar (the vLLM server) that exits: restarted in CrashLoopBackOff however often, even in a
-  pod whose restartPolicy is Never.
-Each holds its node's GPUs until the stage's activeDeadlineSeconds, which is days. The guard (replicatedJob
+  pod whose restartPolicy is Never;
+- a pod on a node that stops answering: the taint manager deletes it (DisruptionTarget
+  DeletionByTaintManager) once the node has been unreachable for its toleration, 300 s by default, but no
+  kubelet confirms that it stopped, so it stays Terminating; with podReplacementPolicy: Failed the Job
+  replaces it only once it is gone (see LOST_NODE_RULES), and the run's other pods wait.
+Each holds GPUs until the stage's activeDeadlineSeconds, which is days. The guard (replicatedJob
 `guard`, k8s/base/pipeline.yaml) reads its JobSet's pods every POLL_S. Once a container has waited for one
 of those reasons for STUCK_AFTER_S, or a sidecar has exited SIDECAR_EXITS times, it says which and why in
 one line and exits ExitCode.STUCK: its podFailurePolicy fails its Job (FailJob) and the JobSet's
@@ -41,16 +45,44 @@ CANNOT_START = {
 }
 
 
+# Where a lost node's pod waits, at kubernetes v1.33.2 (openshift/microshift@b6226e7aea,
+# deps/github.com/openshift/kubernetes/): the node is NotReady after node-monitor-grace-period, 50 s
+# (pkg/controller/nodelifecycle/config/v1alpha1/defaults.go:46), and tainted unreachable:NoExecute
+# (node_lifecycle_controller.go:70-71); every pod tolerates that taint for 300 s
+# (plugin/pkg/admission/defaulttolerationseconds/admission.go:39) and is then deleted with a DisruptionTarget
+# condition (pkg/controller/tainteviction/taint_eviction.go:129-139); a Job with podReplacementPolicy: Failed
+# counts a deleted pod neither failed nor gone until its phase is Failed (pkg/controller/job/job_controller.go
+# isPodFailed, 1977-1987) and creates no replacement while it terminates (1686-1690); PodGC deletes it only
+# once the node is tainted node.kubernetes.io/out-of-service (pkg/controller/podgc/gc_controller.go:143-160).
+LOST_NODE_RULES = "podReplacementPolicy: Failed, and PodGC deletes it only from an out-of-service node"
+
+
 class Stuck(EagleJobsError):
     code = ExitCode.STUCK
 
 
+def _lost_node(pod, since: float, now: float) -> str | None:
+    """The line for a pod that has been terminating for STUCK_AFTER_S past its grace period: its kubelet
+    would have ended it by then, so its node is gone or out of reach. None while it may still end."""
+    grace = pod.metadata.deletion_grace_period_seconds
+    if grace is None:
+        grace = (pod.spec.termination_grace_period_seconds if pod.spec else None) or 30
+    if now - since < grace + STUCK_AFTER_S:
+        return None
+    node = (pod.spec.node_name if pod.spec else None) or "<node>"
+    why = next((" (" + ": ".join(w for w in (c.reason, c.message) if w) + ")" for c in pod.status.conditions or []
+                if c.type == "DisruptionTarget" and c.status == "True" and (c.reason or c.message)), "")
+    return (f"pod {pod_name(pod)} on node {node}: terminating for {now - since:.0f} s, past its {grace} s "
+            f"grace{why}, and no kubelet confirms it stopped: the node is lost or out of reach, and nothing "
+            f"replaces the pod while it terminates ({LOST_NODE_RULES}). Once the node is off, run "
+            f"`kubectl taint node {node} node.kubernetes.io/out-of-service=nodeshutdown:NoExecute`, delete the "
+            "JobSet and submit again: the stages resume from what the store holds")
 
 
 @dataclass
 class StuckTracker:
-    """Which containers have waited for a reason in CANNOT_START, since when (the guard's own clock: a
-    container seen waiting once and then running again starts over)."""
+    """Which containers have waited for a reason in CANNOT_START, and which pods have been terminating,
+    since when (the guard's own clock: a container seen waiting once and then running again starts over)."""
 
     since: dict[tuple[str, str, str], float] = field(default_factory=dict)
 
@@ -58,7 +90,16 @@ class StuckTracker:
         """The first pod that cannot start, in one line; None while every pod may still start."""
         seen = set()
         for pod in pods:
-            if pod.metadata is None or pod.metadata.deletion_timestamp is not None or pod.status is None:
+            if pod.metadata is None or pod.status is None:
+                continue
+            if pod.metadata.deletion_timestamp is not None:
+                if pod.status.phase in ("Succeeded", "Failed"):  # ended: the kubelet confirmed it
+                    continue
+                key = (pod_name(pod), "", "terminating")
+                seen.add(key)
+                lost = _lost_node(pod, self.since.setdefault(key, now), now)
+                if lost:
+                    return lost
                 continue
             side = sidecars(pod)
             for cs in (pod.status.init_container_statuses or []) + (pod.status.container_statuses or []):
@@ -108,7 +149,8 @@ def guard(api, namespace: str, jobset: str, clock: Callable[[], float] = time.mo
     core = client.CoreV1Api(api)
     tracker = StuckTracker()
     print(f"guarding JobSet {jobset} in {namespace}: a container that cannot start for {STUCK_AFTER_S:.0f} s, "
-          f"or a sidecar that exits {SIDECAR_EXITS} times, fails the run", flush=True)
+          f"a sidecar that exits {SIDECAR_EXITS} times, or a pod still terminating {STUCK_AFTER_S:.0f} s past its "
+          "grace period fails the run", flush=True)
     while True:
         try:
             if others_succeeded(read_jobset(api, namespace, jobset)):
