@@ -110,8 +110,10 @@ def test_each_pool_runs_images_published_for_its_architecture(rendered, overlay)
 
 def test_the_images_base_images_are_published_for_what_release_yml_builds():
     """An image is built for arm64 only where its base image is published for arm64: vllm/vllm-openai
-    (its release pipeline pushes -x86_64 and -aarch64 images under one manifest) and python; not
-    pytorch/pytorch, published for linux/amd64 only."""
+    (vLLM's release step pushes vllm/vllm-openai:v<version>-x86_64 and -aarch64 and joins them in one
+    manifest, `docker manifest create vllm/vllm-openai:v${RELEASE_VERSION} ...-x86_64 ...-aarch64`:
+    vllm-project/vllm .buildkite/scripts/annotate-release.sh) and python; not pytorch/pytorch, published for
+    linux/amd64 only."""
     base_archs = {"vllm/vllm-openai": {"amd64", "arm64"}, "python": {"amd64", "arm64"}, "pytorch/pytorch": {"amd64"}}
     for image, plats in published_platforms().items():
         base = re.search(r"^FROM (\S+)", (REPO / "images" / image / "Dockerfile").read_text(), re.M)[1].split(":")[0]
