@@ -52,11 +52,14 @@ def test_every_stage_deadline_covers_what_the_plan_says_it_must(rendered, overla
     for stage, est in plan["stages"].items():
         deadline = _job(js, stage)["activeDeadlineSeconds"]
         assert deadline >= est["deadline_floor_s"] > est["time_s"], (overlay, stage, deadline, est)
-    # the load budget the floor adds is how long the stage's worker waits for its server: the recipe's own
+    # the load budget the floor adds is how long the stage's worker waits for its servers, the recipe's own
+    # health_timeout_s each: one for capture and extract; evaluate's own servers (evaluate.run.measure_sets) are
+    # the trained draft at k, the untrained draft, one per other k and one without a draft
     recipe = _recipe(rendered[overlay])
     for stage in ("capture", "extract", "evaluate"):
         spec = getattr(recipe, stage)
-        assert server_load_s(recipe, stage) == (spec.vllm.health_timeout_s if spec.backend == "vllm" else 0)
+        servers = len(recipe.evaluate.num_speculative_tokens) + 2 if stage == "evaluate" else 1
+        assert server_load_s(recipe, stage) == (servers * spec.vllm.health_timeout_s if spec.backend == "vllm" else 0)
         if spec.backend == "vllm":
             assert plan["stages"][stage]["deadline_floor_s"] > spec.vllm.health_timeout_s
 
@@ -187,3 +190,21 @@ def test_a_worker_beats_while_it_waits_for_its_sidecar_and_fails_at_the_recipes_
     finally:
         srv.shutdown()
     assert ready.is_set()
+
+
+def test_the_deadline_floors_operations_md_gives_for_kimi_are_plans(monkeypatch):
+    """docs/OPERATIONS.md#deadlines quotes each stage's floor for jobs/kimi-k2.5.yaml: the figures plan gives."""
+    import re
+
+    from eagle_jobs.plan import make_plan
+    from eagle_jobs.recipe_file import load_recipe
+
+    monkeypatch.setenv("EAGLE_JOBS_STORE", "s3://eagle-jobs")
+    stages = make_plan(load_recipe(REPO / "jobs/kimi-k2.5.yaml"))["stages"]
+    floors = {k: v["deadline_floor_s"] for k, v in stages.items()}
+    text = " ".join((REPO / "docs/OPERATIONS.md").read_text().split())
+    said = re.search(r"For Kimi-K2\.5 \(`full`, 600,000 conversations\) that is ([\d,]+) s for capture, ([\d,]+) s for "
+                     r"extraction \(four pods\), ([\d,]+) s for training and ([\d,]+) s for evaluation", text)
+    assert said, "the sentence with Kimi-K2.5's floors moved or changed"
+    assert [int(x.replace(",", "")) for x in said.groups()] == [
+        floors["capture"], floors["extract"], floors["train"], floors["evaluate"]]

@@ -99,11 +99,17 @@ def deadline_floor_s(time_s: float, load_s: float) -> int:
 
 
 def server_load_s(recipe: Recipe, stage: str) -> float:
-    """How long the stage's worker waits for its vLLM server to answer /health (0: no server)."""
+    """How long the stage's worker waits for its vLLM servers to answer /health (0: no server). Evaluate,
+    starting its own servers, loads the verifier once a server: the trained draft at evaluate.k, the
+    untrained draft, each other k of the speed pass and the server without a draft, as it prices their
+    passes above; a pod's sidecar loads it once, and the floor stays an upper bound there."""
     if stage not in VLLM_STAGES:
         return 0.0
     spec = getattr(recipe, stage)
-    return spec.vllm.health_timeout_s if spec.backend == "vllm" else 0.0
+    if spec.backend != "vllm":
+        return 0.0
+    servers = len(recipe.evaluate.num_speculative_tokens) + 2 if stage == StageName.EVALUATE else 1
+    return servers * spec.vllm.health_timeout_s
 
 
 # One SIGTERM checkpoint save (docs/OPERATIONS.md#preemption), at speeds measured on a 2-vCPU VM with a
