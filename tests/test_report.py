@@ -37,3 +37,19 @@ def test_the_estimate_is_the_exported_epochs_not_the_last():
     assert "| teacher-forced estimate of the exported epoch (training metrics) | 1.600 |" in md
     assert "| checkpoint | epoch 0 of 2: best estimate |" in md
     assert files["training.png"][:4] == b"\x89PNG"
+
+
+def test_training_and_the_report_estimate_tau_by_one_rule():
+    """committed.tau_estimate: 1 + the validated full_acc_i below k; training's epoch choice and the report's
+    teacher-forced figure both read it, so they agree wherever both see the same validation."""
+    from eagle_jobs.committed import tau_estimate
+    from eagle_jobs.evaluate.run import teacher_forced_estimate
+    from eagle_jobs.train.checkpoints import select_epoch
+
+    val = {"full_acc_0_epoch": 0.5, "full_acc_1_epoch": 0.25, "full_acc_2_epoch": 0.125}
+    assert tau_estimate(val, 2) == 1.75 and tau_estimate(val, 3) == 1.875
+    assert tau_estimate(val, 5) == 1.875  # k beyond the validated steps: the steps validated
+    assert tau_estimate({"loss": 1.0}, 3) is None
+    metrics = [{"epoch": 0, "val": {**val, "full_acc_0_epoch": 0.1}}, {"epoch": 1, "val": val}]
+    sel = select_epoch(metrics, 3, 1)
+    assert sel["epoch"] == 1 and sel["tau_estimate"] == teacher_forced_estimate(metrics, 3, 1) == 1.875

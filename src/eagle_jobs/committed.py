@@ -158,6 +158,15 @@ def read_sample(store: Store, run_id: str, manifest: dict, entry: dict, dtype=No
     return decode_sample(read_sample_bytes(store, run_id, fname, entry), entry, dtype)
 
 
+def tau_estimate(val: dict, k: int) -> float | None:
+    """The one teacher-forced τ estimate, from one validation of training's metrics: 1 + Σ_{i<k} full_acc_i,
+    speculators' share of held-out positions whose first i+1 draft tokens are all right, over the draft
+    steps training validated (train.ttt_steps of them); None where it validated none. Training picks its
+    epoch by it and the report shows it beside the served τ."""
+    accs = [a for a in (val.get(f"full_acc_{i}_epoch") for i in range(k)) if a is not None]
+    return 1 + sum(accs) if accs else None
+
+
 def download_final(store: Store, run_id: str, dest: Path, variant: str | None = None) -> Path:
     """The committed final draft checkpoint as a local directory (for evaluate / inspect / vLLM)."""
     stage = Stage(store, run_id, train_dir(variant))

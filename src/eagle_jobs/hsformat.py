@@ -42,9 +42,15 @@ def resolve_storage(setting: str, tokens: int, num_layers: int, hidden: int, fp8
     """extract.storage_dtype: bfloat16 or fp8 as set; auto, fp8 once the corpus's states would take more
     than extract.fp8_above_bytes in bf16. Extraction and a streaming trainer resolve it from the same
     committed rows (every row's tokens), so they agree on the layout without talking to each other."""
+    return storage_for(setting, tokens * bytes_per_token(num_layers, hidden, "bfloat16"), fp8_above_bytes)
+
+
+def storage_for(setting: str, bf16_bytes: int, fp8_above_bytes: int) -> str:
+    """The one auto-dtype rule: the setting as it is, or for auto fp8 once the states would take more than
+    fp8_above_bytes in bf16 (used by extraction, a streaming trainer and plan --scale's corpora)."""
     if setting != "auto":
         return setting
-    return "fp8" if tokens * bytes_per_token(num_layers, hidden, "bfloat16") > fp8_above_bytes else "bfloat16"
+    return "fp8" if bf16_bytes > fp8_above_bytes else "bfloat16"
 
 
 @dataclass

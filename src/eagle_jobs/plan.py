@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from rich.table import Table
 
 from eagle_jobs.draft import DraftShape, resolve_shape
-from eagle_jobs.hsformat import bytes_per_token, resolve_storage
+from eagle_jobs.hsformat import bytes_per_token, resolve_storage, storage_for
 from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import DraftSpec, Recipe, Throughputs
@@ -351,8 +351,7 @@ def price_mode(b: ScaleBasis, conversations: int, mode: str) -> dict:
     """One row: GPU-hours per stage (booked, and extraction's busy share), store bytes and wall time."""
     samples = conversations * b.samples_per_conversation
     tokens = int(samples * b.tokens_per_sample)
-    storage = b.storage if b.storage != "auto" else (
-        "fp8" if tokens * b.bytes_per_token["bfloat16"] > b.fp8_above_bytes else "bfloat16")
+    storage = storage_for(b.storage, tokens * b.bytes_per_token["bfloat16"], b.fp8_above_bytes)
     corpus = tokens * b.bytes_per_token[storage]
     s = _spans(b, samples, tokens, corpus)
     c, r = _mode_cost(b, s, corpus, mode), b.rates

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_jobs.committed import download_final, extraction_info
+from eagle_jobs.committed import download_final, extraction_info, tau_estimate
 from eagle_jobs.deploy import advise
 from eagle_jobs.errors import BadInput
 from eagle_jobs.evaluate.decode import evaluate_transformers, load_draft
@@ -49,10 +49,7 @@ def teacher_forced_estimate(metrics: list[dict], k: int, epoch: int | None = Non
         vals = [m for m in vals if int(m.get("epoch", -1)) == epoch]
     if not vals:
         return None
-    last = vals[-1]["val"]
-    accs = [last.get(f"full_acc_{i}_epoch") for i in range(k)]
-    accs = [a for a in accs if a is not None]
-    return 1 + sum(accs) if accs else None
+    return tau_estimate(vals[-1]["val"], k)
 
 
 def measure_draft(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict]]],

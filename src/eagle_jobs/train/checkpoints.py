@@ -16,6 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
+from eagle_jobs.committed import tau_estimate
 from eagle_jobs.errors import BadInput
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
@@ -92,10 +93,8 @@ def select_epoch(records: list[dict], k: int, last: int) -> dict:
     """
     est: dict[int, float] = {}
     for r in records:
-        if "val" in r and "epoch" in r:
-            accs = [r["val"].get(f"full_acc_{i}_epoch") for i in range(k)]
-            if all(a is not None for a in accs):
-                est[int(r["epoch"])] = 1 + sum(accs)
+        if "val" in r and "epoch" in r and (tau := tau_estimate(r["val"], k)) is not None:
+            est[int(r["epoch"])] = tau
     if not est:
         return {"epoch": last, "by": "the last epoch: no held-out samples to measure on", "per_epoch": {}}
     best = max(sorted(est), key=lambda e: est[e])  # the earliest among equals
