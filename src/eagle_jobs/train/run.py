@@ -81,12 +81,11 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     console.print(f"  draft parameters: {params['total']:,} total, {params['trainable']:,} trainable; "
                   f"attention {rank.attention}, loss {rank.loss}")
     # 6. resume from the newest committed checkpoint
-    stage = Stage(store, run_id, train_dir(variant))
-    ckpt_dir = work / "checkpoints"
-    resumed = resume_checkpoint(recipe, stage, ckpt_dir)
-    record = train_record(recipe, run_id, info, shape, rank, data, params, coverage, max_steps)
+    run = TrainRun(recipe, run_id, Stage(store, run_id, train_dir(variant)), work, max_steps, started)
+    resumed = resume_checkpoint(recipe, run.stage, run.ckpt_dir)
+    record = train_record(run, info, shape, rank, data, params, coverage)
     # 7. train, committing checkpoints; export the epoch with the best held-out tau estimate
-    fit_and_export(recipe, model, data, rank, stage, work, ckpt_dir, resumed, record, max_steps, started)
+    fit_and_export(run, model, data, rank, resumed, record)
     maybe_destroy_distributed()
     return record
 
@@ -143,11 +142,30 @@ class RankSetup:
         return cls(gpu, attention, loss_implementation(recipe, gpu), torch.bfloat16 if gpu else torch.float32)
 
 
-def train_record(recipe: Recipe, run_id: str, info: dict, shape: DraftShape, rank: RankSetup, data: TrainData,
-                 params: dict, coverage: float, max_steps: int | None) -> dict:
+@dataclass(frozen=True)
+class TrainRun:
+    """One training of one draft: the recipe, where it commits (the train stage, or a compare arm's), its
+    local work directory, the step cap and when it started."""
+
+    recipe: Recipe
+    run_id: str
+    stage: Stage
+    work: Path
+    max_steps: int | None
+    started: float
+
+    @property
+    def ckpt_dir(self) -> Path:
+        """speculators' local save_path: one `<epoch>/` directory a checkpoint, committed to the stage."""
+        return self.work / "checkpoints"
+
+
+def train_record(run: TrainRun, info: dict, shape: DraftShape, rank: RankSetup, data: TrainData,
+                 params: dict, coverage: float) -> dict:
     """train_config.json: what this draft was trained on and with (docs/FORMAT.md)."""
     from speculators.train.distributed import get_world_size
 
+    recipe, run_id, max_steps = run.recipe, run.run_id, run.max_steps
     steps_per_epoch = len(data.train_loader)  # type: ignore[arg-type]
     return {
         "run_id": run_id, "verifier": recipe.verifier.model,
@@ -164,21 +182,21 @@ def train_record(recipe: Recipe, run_id: str, info: dict, shape: DraftShape, ran
     }
 
 
-def fit_and_export(recipe: Recipe, model, data: TrainData, rank: RankSetup, stage: Stage, work: Path,
-                   ckpt_dir: Path, resumed: dict | None, record: dict, max_steps: int | None,
-                   started: float) -> None:
+def fit_and_export(run: TrainRun, model, data: TrainData, rank: RankSetup, resumed: dict | None,
+                   record: dict) -> None:
     """speculators' Trainer, committing each checkpoint to the store; rank 0 exports the chosen epoch."""
     from speculators.train.distributed import get_rank, maybe_destroy_distributed
     from speculators.train.trainer import TrainerConfig
 
     from eagle_jobs import speculators_compat as compat
 
+    recipe, stage, work, ckpt_dir = run.recipe, run.stage, run.work, run.ckpt_dir
     train_kwargs, val_kwargs = trainer_call_kwargs(recipe, rank.loss)  # ttt_steps, train.loss
     cfg = TrainerConfig(
         num_epochs=recipe.train.epochs, save_path=str(ckpt_dir), resume_from_checkpoint=True,
         train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, hidden_states_dtype=rank.hs_dtype,
         **optimizer_settings(recipe),  # optimizer (Muon's group too), lr, weight decay, schedule, warmup
-        log_freq=recipe.train.log_freq, fsdp_shard=recipe.train.fsdp, max_steps=max_steps,
+        log_freq=recipe.train.log_freq, fsdp_shard=recipe.train.fsdp, max_steps=run.max_steps,
     )
     recorder = compat.MetricsRecorder()
     resumed_metrics = ckpt_dir / str(resumed["epoch"] if resumed else None) / "metrics.json"
@@ -214,7 +232,7 @@ def fit_and_export(recipe: Recipe, model, data: TrainData, rank: RankSetup, stag
             record["stream"] = {"first_step_at": data.feed.first_step_at, "consumed_shards": len(data.feed.marked),
                                 "window_bytes": data.feed.window, "later_epochs": recipe.train.later_epochs}
         if get_rank() == 0:
-            export_selected(recipe, stage, ckpt_dir, record, recorder.records, started)
+            export_selected(recipe, stage, ckpt_dir, record, recorder.records, run.started)
         if board is not None:
             upload_tensorboard(board, work / "tensorboard", stage)  # the validation of the last epoch too
     finally:  # off the process-wide logger whatever happened: a later run in this process gets its own
