@@ -14,14 +14,10 @@ from eagle_jobs.progress import console
 
 def apply(api, docs: list[dict]) -> list[str]:
     """Server-side apply each object (field manager eagle-jobs), in dependency order."""
-    from kubernetes import client
-
-    core, apps, rbac = client.CoreV1Api(api), client.AppsV1Api(api), client.RbacAuthorizationV1Api(api)
-    custom, net = client.CustomObjectsApi(api), client.NetworkingV1Api(api)
     from kubernetes.client.exceptions import ApiException
 
     # No force: a CI submitter must not silently take over fields another manager owns.
-    kw = {"field_manager": FIELD_MANAGER, "_content_type": APPLY}
+    appliers = _appliers(api, {"field_manager": FIELD_MANAGER, "_content_type": APPLY})
     # the NetworkPolicy before the JobSet: no vLLM port is ever open without it
     order = {"Namespace": 0, "ServiceAccount": 1, "Role": 1, "RoleBinding": 2, "ConfigMap": 2, "Service": 3,
              "NetworkPolicy": 3, "Deployment": 4, "JobSet": 9}
@@ -29,8 +25,10 @@ def apply(api, docs: list[dict]) -> list[str]:
     for d in sorted(docs, key=lambda d: order.get(d["kind"], 5)):
         kind, md = d["kind"], d["metadata"]
         name, ns = md["name"], md.get("namespace")
+        if kind not in appliers:
+            raise BadInput(f"submit: don't know how to apply {kind}")
         try:
-            _apply_one(core, apps, rbac, custom, net, kind, name, ns, d, kw)
+            appliers[kind](name, ns, d)
         except ApiException as e:
             msg = _status_message(e)
             if e.status == 409:
@@ -59,21 +57,23 @@ def _status_message(e) -> str:
 
 
 
-def _apply_one(core, apps, rbac, custom, net, kind, name, ns, d, kw):
-    appliers = {  # kind -> the typed client's patch call (content type: apply)
-        "Namespace": lambda: core.patch_namespace(name, d, **kw),
-        "ServiceAccount": lambda: core.patch_namespaced_service_account(name, ns, d, **kw),
-        "ConfigMap": lambda: core.patch_namespaced_config_map(name, ns, d, **kw),
-        "Service": lambda: core.patch_namespaced_service(name, ns, d, **kw),
-        "Deployment": lambda: apps.patch_namespaced_deployment(name, ns, d, **kw),
-        "Role": lambda: rbac.patch_namespaced_role(name, ns, d, **kw),
-        "RoleBinding": lambda: rbac.patch_namespaced_role_binding(name, ns, d, **kw),
-        "NetworkPolicy": lambda: net.patch_namespaced_network_policy(name, ns, d, **kw),
-        "JobSet": lambda: custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name, d, **kw),
+def _appliers(api, kw: dict) -> dict:
+    """kind -> (name, namespace, object) -> the typed client's patch call with kw (content type: apply)."""
+    from kubernetes import client
+
+    core, apps, rbac = client.CoreV1Api(api), client.AppsV1Api(api), client.RbacAuthorizationV1Api(api)
+    custom, net = client.CustomObjectsApi(api), client.NetworkingV1Api(api)
+    return {
+        "Namespace": lambda name, ns, d: core.patch_namespace(name, d, **kw),
+        "ServiceAccount": lambda name, ns, d: core.patch_namespaced_service_account(name, ns, d, **kw),
+        "ConfigMap": lambda name, ns, d: core.patch_namespaced_config_map(name, ns, d, **kw),
+        "Service": lambda name, ns, d: core.patch_namespaced_service(name, ns, d, **kw),
+        "Deployment": lambda name, ns, d: apps.patch_namespaced_deployment(name, ns, d, **kw),
+        "Role": lambda name, ns, d: rbac.patch_namespaced_role(name, ns, d, **kw),
+        "RoleBinding": lambda name, ns, d: rbac.patch_namespaced_role_binding(name, ns, d, **kw),
+        "NetworkPolicy": lambda name, ns, d: net.patch_namespaced_network_policy(name, ns, d, **kw),
+        "JobSet": lambda name, ns, d: custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name, d, **kw),
     }
-    if kind not in appliers:
-        raise BadInput(f"submit: don't know how to apply {kind}")
-    appliers[kind]()
 
 PER_RUN = ("ConfigMap", "JobSet")  # what submit applies; everything else is k8s/cluster-setup's
 
