@@ -15,7 +15,9 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +33,9 @@ from eagle_jobs.serve_plans import extract_plan, extract_scratch
 from eagle_jobs.sharding import ShardWorker, plan_shards
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.verifier import load_config, text_config
+
+if TYPE_CHECKING:
+    from eagle_jobs.reuse import HiddenStateIndex
 
 STAGE = StageName.EXTRACT.dir
 
@@ -255,13 +260,11 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
                   f"{len(plan) - len(todo)} already committed; layers {layer_ids}")
     from eagle_jobs.reuse import HiddenStateIndex
 
-    index = HiddenStateIndex.build(store, recipe, run_id)  # samples other runs already extracted
-    skipped: list[Skipped] = []
-    reused = [0]
+    run = ShardRun(recipe, worker, layer_ids, hidden, bpt, before_shard,
+                   HiddenStateIndex.build(store, recipe, run_id))  # samples other runs already extracted
     if todo:
         if recipe.extract.backend == "transformers":
-            _extract_shards(recipe, worker, todo, lambda: TransformersExtractor(recipe), layer_ids, hidden,
-                            skipped, index, reused, before_shard)
+            _extract_shards(run, todo, lambda: TransformersExtractor(recipe))
         else:
             from eagle_jobs.vllm_server import server_log, vllm_endpoint
 
@@ -269,15 +272,15 @@ def run_extract(recipe: Recipe, store: Store, run_id: str, shard_index: int | No
             if swept := sweep_scratch(scratch):
                 console.print(f"  removed {swept} hidden-state files an earlier attempt left in {scratch}")
             with vllm_endpoint(extract_plan(recipe, run_id, idx), log=server_log(run_id, f"extract-{idx}")) as base:
-                _extract_shards(recipe, worker, todo, lambda: VllmExtractor(recipe, base, scratch),
-                                layer_ids, hidden, skipped, index, reused, before_shard)
-    if reused[0]:
-        console.print(f"  reused {reused[0]} samples extracted by other runs with the same settings")
+                _extract_shards(run, todo, lambda: VllmExtractor(recipe, base, scratch))
+    skipped = run.skipped
+    if run.reused:
+        console.print(f"  reused {run.reused} samples extracted by other runs with the same settings")
     if skipped:
         console.print(f"  [yellow]skipped {len(skipped)} records[/] (never trained on): "
                       + "; ".join(f"{s['row_id']}: {s['reason']}" for s in skipped[:5]))
     summary = {"worker": idx, "num_workers": n, "shards": len(plan), "skipped": len(skipped),
-               "layer_ids": layer_ids, "reused_samples": reused[0]}
+               "layer_ids": layer_ids, "reused_samples": run.reused}
     worker.finish(summary)
     return summary
 
@@ -304,20 +307,36 @@ def shard_plan(recipe: Recipe, worker: ShardWorker, rows: list[RowRef], bpt: int
     return [[by_id[i] for i in s.row_ids] for s in shards], todo, window.wait
 
 
-def _extract_shards(recipe, worker: ShardWorker, todo: list[tuple[str, list[RowRef]]],
-                    make_extractor: Callable[[], HiddenStateBackend], layer_ids, hidden, skipped_all, index,
-                    reused, before_shard: Callable[[str, int], None]) -> None:
+@dataclass
+class ShardRun:
+    """One extract worker's run: what every shard is computed with (the recipe with its storage dtype
+    resolved, the stored layers, bytes per token, the wait before a shard, the index of states other runs
+    extracted), and what it found (rows skipped, samples reused)."""
+
+    recipe: Recipe
+    worker: ShardWorker
+    layer_ids: list[int]
+    hidden: int
+    bytes_per_token: int
+    before_shard: Callable[[str, int], None]
+    index: HiddenStateIndex
+    skipped: list[Skipped] = field(default_factory=list)
+    reused: int = 0
+
+
+def _extract_shards(run: ShardRun, todo: list[tuple[str, list[RowRef]]],
+                    make_extractor: Callable[[], HiddenStateBackend]) -> None:
     """Compute shard k+1 while shard k is packed and uploaded in the background."""
     from eagle_jobs.reuse import ids_sha256
 
+    recipe, worker, index, skipped_all = run.recipe, run.worker, run.index, run.skipped
     pool = ThreadPoolExecutor(max_workers=1)
     pending: Future | None = None
     ex: HiddenStateBackend | None = None
     try:
         with stage_progress("extract", sum(len(s) for _, s in todo), "rows") as advance:
             for name, refs in todo:
-                before_shard(name, sum(r.num_tokens for r in refs) * bytes_per_token(
-                    len(layer_ids), hidden, recipe.extract.storage_dtype))
+                run.before_shard(name, sum(r.num_tokens for r in refs) * run.bytes_per_token)
                 rows = load_rows(worker.stage.store, worker.stage.run_id, refs)  # this shard's rows only
                 got, fresh = Extracted({}, {}), []
                 for r in rows:
@@ -328,7 +347,7 @@ def _extract_shards(recipe, worker: ShardWorker, todo: list[tuple[str, list[RowR
                     src_run, m, e = hit
                     s = read_sample(worker.stage.store, src_run, m, e, torch.float32)
                     got.states[r["row_id"]] = RowStates(s["hidden_states"], s["token_ids"].tolist())
-                    reused[0] += 1
+                    run.reused += 1
                     advance(1, 0)
                 if fresh:
                     ex = ex or make_extractor()
@@ -338,7 +357,7 @@ def _extract_shards(recipe, worker: ShardWorker, todo: list[tuple[str, list[RowR
                 if pending is not None:
                     skipped_all.extend(pending.result())
                 pending = pool.submit(_pack_and_commit, recipe, worker.stage, name, rows, got,
-                                      layer_ids, hidden)
+                                      run.layer_ids, run.hidden)
             if pending is not None:
                 skipped_all.extend(pending.result())
     finally:
