@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode, Unavailable
+from eagle_jobs.settings import settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train EAGLE-3 drafts for very large verifiers: capture -> extract -> train -> evaluate. "
@@ -83,7 +84,7 @@ def _context(recipe_path: Path, store: str | None, run_id: str | None):
 
     recipe = load_recipe(recipe_path, store)  # checks the recipe's store.run_id
     rid = run_id or _env_run_id() or recipe.store.run_id  # before the store is opened: it may write
-    st = Store.open(store or os.environ.get("EAGLE_JOBS_STORE") or recipe.store.uri)
+    st = Store.open(store or settings().store or recipe.store.uri)
     st.check()
     return recipe, st, rid
 
@@ -107,7 +108,7 @@ def _one_run_id(ctx: typer.Context, positional: str | None, option: str | None) 
 def _env_run_id() -> str | None:
     from eagle_jobs.runid import check_run_id
 
-    value = os.environ.get("EAGLE_JOBS_RUN_ID")
+    value = settings().run_id
     return check_run_id(value, "$EAGLE_JOBS_RUN_ID") if value else None
 
 
@@ -284,7 +285,7 @@ def prompts_build(
     from eagle_jobs.prompt_mix import build_mix, parse_source
     from eagle_jobs.store import resolve_ref
 
-    out = resolve_ref(out, store or os.environ.get("EAGLE_JOBS_STORE"))
+    out = resolve_ref(out, store or settings().store)
     m = build_mix([parse_source(s) for s in source], size, out)
     for s in m["sources"]:
         print(f"  {s['source']}: {s['taken']:,} taken of {s['rows_read']:,} read ({s['duplicates']:,} duplicates, "
@@ -505,7 +506,7 @@ def promote(ctx: typer.Context, to: Annotated[str, typer.Option("--to", help="st
 def _store_or_none(uri: str | None):
     from eagle_jobs.store import Store
 
-    uri = uri or os.environ.get("EAGLE_JOBS_STORE")
+    uri = uri or settings().store
     if not uri:
         return None
     st = Store.open(uri)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import tempfile
 import time
@@ -31,6 +30,7 @@ from eagle_jobs.errors import BadInput, NotReady
 from eagle_jobs.layout import content_hash, epochs_dir, train_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
+from eagle_jobs.settings import settings
 from eagle_jobs.store import Stage, Store
 
 # Held-out prompts served per epoch. On the demo's base arm, 8 (6 within limits) ranked epochs 2 and 3
@@ -76,7 +76,7 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
 # -- what is ranked, and on what -----------------------------------------------------------------
 def check_servable(recipe: Recipe) -> None:
     """Refused before any training: one server per epoch needs servers this process starts."""
-    external = recipe.evaluate.vllm.endpoint or os.environ.get("EAGLE_JOBS_VLLM_ENDPOINT")
+    external = recipe.evaluate.vllm.endpoint or settings().vllm_endpoint
     if recipe.evaluate.backend == "vllm" and external:
         raise BadInput("ranking epochs by served tau starts one vLLM server per epoch checkpoint, and an external "
                        "endpoint (evaluate.vllm.endpoint / $EAGLE_JOBS_VLLM_ENDPOINT, the vllm-sidecar component) "

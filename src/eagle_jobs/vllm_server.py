@@ -31,6 +31,7 @@ from eagle_jobs import heartbeat, vllm_cpu
 from eagle_jobs.errors import BadInput, Unavailable
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import VerifierSpec, VllmServerSpec
+from eagle_jobs.settings import settings
 
 
 def wait_healthy(base: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -128,7 +129,7 @@ LOG_TAIL_LINES = 30
 def server_log(run_id: str | None, name: str) -> Path:
     """A stage's own server writes here: <work dir>/<run id>/logs/vllm-<name>.log, beside train's work
     dir (EAGLE_JOBS_WORK_DIR, default ~/.cache/eagle-jobs/work), appended to by every attempt."""
-    root = Path(os.environ.get("EAGLE_JOBS_WORK_DIR") or Path.home() / ".cache/eagle-jobs/work")
+    root = settings().work_root()
     return root / (run_id or "servers") / "logs" / f"vllm-{name}.log"
 
 
@@ -140,7 +141,7 @@ def vllm_endpoint(plan: ServePlan, log: Path | None = None):
     is; otherwise `vllm serve` runs here, its output in `log` (default: server_log(None, <port>)).
     """
     spec, verifier = plan.spec, plan.verifier
-    endpoint = spec.endpoint or os.environ.get("EAGLE_JOBS_VLLM_ENDPOINT")
+    endpoint = spec.endpoint or settings().vllm_endpoint
     if endpoint:
         base = endpoint.rstrip("/").removesuffix("/v1")
         wait_healthy(base, spec.health_timeout_s)

@@ -27,6 +27,7 @@ from typing import Literal, overload
 
 from eagle_jobs.errors import BadInput, Unavailable
 from eagle_jobs.recipe import VerifierSpec, is_hub_id
+from eagle_jobs.settings import settings
 from eagle_jobs.store import Store
 
 MANIFEST = "MIRROR.json"
@@ -193,8 +194,7 @@ def serve_env(spec: VerifierSpec, env: dict[str, str]) -> dict[str, str]:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("EAGLE_JOBS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eagle-jobs")
-    return Path(root)
+    return settings().cache_root()
 
 
 def _convert_gguf(spec: str) -> Path:

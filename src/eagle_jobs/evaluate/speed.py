@@ -14,6 +14,7 @@ from eagle_jobs.progress import console
 from eagle_jobs.recipe import LONG_OUTPUT_SET, Recipe
 from eagle_jobs.records import SpeedLevel, SpeedTable, TimedPass
 from eagle_jobs.serve_plans import evaluate_plan
+from eagle_jobs.settings import settings
 
 
 def timed_sets(sets: dict[str, list[list[dict]]]) -> dict[str, list[list[dict]]]:
@@ -124,7 +125,5 @@ SPEED_NOTE = ("output tokens per second of streamed greedy chat requests with th
 def own_servers(recipe: Recipe) -> bool:
     """Whether evaluate starts its vLLM servers itself: no endpoint in the recipe, no pod sidecar
     ($EAGLE_JOBS_VLLM_ENDPOINT, components/vllm-sidecar)."""
-    import os
-
-    return not (recipe.evaluate.vllm.endpoint or os.environ.get("EAGLE_JOBS_VLLM_ENDPOINT"))
+    return not (recipe.evaluate.vllm.endpoint or settings().vllm_endpoint)
 

@@ -20,6 +20,7 @@ from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
 from eagle_jobs.layout import train_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
+from eagle_jobs.settings import settings
 from eagle_jobs.store import Stage, Store
 
 # torchrun's own grace for its ranks after it is signalled (its default is 30 s): the
@@ -47,7 +48,7 @@ def launch_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | Non
     failure in a file, so we exit with it (torchrun itself says 1 for any failure).
     """
     t = recipe.train
-    nnodes = int(os.environ.get("EAGLE_JOBS_NNODES") or t.nnodes)  # full-multinode overlay sets it
+    nnodes = settings().nnodes or t.nnodes  # full-multinode overlay sets it
     if t.nproc_per_node * nnodes <= 1 or "LOCAL_RANK" in os.environ:
         return None
     if torch.cuda.is_available() and torch.cuda.device_count() < t.nproc_per_node:

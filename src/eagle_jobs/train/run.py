@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
 from eagle_jobs.layout import StageName, train_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
+from eagle_jobs.settings import settings
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.train.checkpoints import (
     commit_checkpoint,
@@ -54,7 +54,7 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     """Train the run's draft on its committed extraction (or, with `variant`, one arm of `compare`)."""
     # 1. the extraction must be the one this draft expects
     info, tcfg, shape = check_extraction(recipe, store, run_id)
-    work = Path(work_dir or os.environ.get("EAGLE_JOBS_WORK_DIR") or Path.home() / ".cache/eagle-jobs/work") / run_id
+    work = Path(work_dir or settings().work_root()) / run_id
     if variant is not None:
         work = work / train_dir(variant)
     started = time.time()
@@ -178,7 +178,7 @@ def train_record(run: TrainRun, info: dict, shape: DraftShape, rank: RankSetup, 
         "hidden_states_dtype": str(rank.hs_dtype).removeprefix("torch."), "recipe_digest": recipe.digest(),
         "vocab_coverage": coverage,
         # the images this run's pods ran, when submit pinned them by digest (lineage: promote copies it)
-        "image_digests": json.loads(os.environ.get("EAGLE_JOBS_IMAGE_DIGESTS") or "{}"),
+        "image_digests": settings().image_digests,
     }
 
 

@@ -1,0 +1,38 @@
+"""The process's environment, read in one place: every `EAGLE_JOBS_*` variable a pod, CI or a user sets.
+
+`settings()` reads the environment when called, not at import: a training rank, a test and the CLI each
+set variables before the code that reads them runs. An empty variable counts as unset, as the shell's
+`${VAR:-default}` does. The store's transfer sizes (store.py) are read once at import, where they size
+module constants.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EAGLE_JOBS_", env_ignore_empty=True, extra="ignore")
+
+    store: str | None = Field(default=None, description="the store URI a recipe's store: references and runs resolve "
+                              "under (k8s/base's eagle-jobs-run ConfigMap); --store wins")
+    run_id: str | None = Field(default=None, description="the run id (the run's ConfigMap); --run-id wins")
+    work_dir: Path | None = Field(default=None, description="local scratch: checkpoints, staged shards, server logs")
+    cache: Path | None = Field(default=None, description="downloaded verifier files (default ~/.cache/eagle-jobs)")
+    vllm_endpoint: str | None = Field(default=None, description="the pod's vLLM sidecar (components/vllm-sidecar)")
+    nnodes: int | None = Field(default=None, description="training nodes (overlays/full-multinode)")
+    image_digests: dict[str, str] = Field(default_factory=dict, description="the images submit pinned, as JSON")
+
+    def cache_root(self) -> Path:
+        return self.cache or Path.home() / ".cache" / "eagle-jobs"
+
+    def work_root(self) -> Path:
+        return self.work_dir or Path.home() / ".cache" / "eagle-jobs" / "work"
+
+
+def settings() -> Settings:
+    """The environment as it is now."""
+    return Settings()
