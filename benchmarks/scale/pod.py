@@ -95,8 +95,8 @@ def extract(recipe: Recipe, store: Store, run_id: str, worker: int, workers: int
     ex.TransformersExtractor = lambda r: SyntheticStates(r, layers, int(tcfg.hidden_size))  # type: ignore
     real = ex._extract_shards
 
-    def steady(recipe, worker, todo, *rest):  # the first STEADY_SHARDS of the plan: the per-shard costs
-        return real(recipe, worker, todo[:STEADY_SHARDS] if STEADY_SHARDS else todo, *rest)
+    def steady(run, todo, make_extractor):  # the first STEADY_SHARDS of the plan: the per-shard costs
+        return real(run, todo[:STEADY_SHARDS] if STEADY_SHARDS else todo, make_extractor)
 
     ex._extract_shards = steady  # type: ignore[assignment]
     return ex.run_extract(recipe.model_copy(update={"extract": recipe.extract.model_copy(
