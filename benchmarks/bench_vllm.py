@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
 
+    import socket
+
     from eagle_jobs import extract
     from eagle_jobs.capture import ShardStats, TransformersBackend, VllmBackend
     from eagle_jobs.committed import read_rows
@@ -56,8 +58,6 @@ def main() -> None:
     from eagle_jobs.store import Store
     from eagle_jobs.verifier import load_config
     from eagle_jobs.vllm_server import vllm_endpoint
-
-    import socket
 
     def port() -> int:  # not the demo's fixed ports: a demo may be running
         with socket.socket() as s:

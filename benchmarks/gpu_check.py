@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def train_arm(args, recipe, store, optimizer: str, work: Path, gpu: bool) -> dict:
     """Train `args.steps` steps of the draft under `optimizer` (a compare-style variant of run gpu); its figures."""
-    from eagle_jobs.committed import download_final
     from eagle_jobs.checkpoint_check import run_inspect
+    from eagle_jobs.committed import download_final
     from eagle_jobs.errors import ExitCode
     from eagle_jobs.train.launch import run_ranks
     from eagle_jobs.train.run import run_train
