@@ -12,7 +12,8 @@ import yaml
 from conftest import kustomize
 
 from eagle_jobs.hsformat import bytes_per_token
-from eagle_jobs.plan import SCALE_MODES, make_plan, parse_scales, price_mode, scale_basis, scale_markdown, scale_table
+from eagle_jobs.plan import make_plan
+from eagle_jobs.plan_scale import SCALE_MODES, parse_scales, price_mode, scale_basis, scale_markdown, scale_table
 from eagle_jobs.recipe_file import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]

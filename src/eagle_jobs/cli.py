@@ -227,7 +227,7 @@ def rank_epochs(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None
 
 
 def _scales(text: Optional[str]) -> Optional[list[int]]:
-    from eagle_jobs.plan import parse_scales
+    from eagle_jobs.plan_scale import parse_scales
 
     try:
         return parse_scales(text) if text is not None else None
@@ -249,7 +249,8 @@ def plan(recipe: RecipeOpt, store: StoreOpt = None, run_id: RunOpt = None, scale
     With --store, also what capture and extract would reuse from other runs there. With --scale, what
     corpora of those sizes would cost in each data mode (docs/OPERATIONS.md#anchor-scale-runs).
     """
-    from eagle_jobs.plan import print_plan, print_scale
+    from eagle_jobs.plan import print_plan
+    from eagle_jobs.plan_scale import print_scale
     from eagle_jobs.recipe_file import load_recipe
 
     conversations = _scales(scale)  # a bad list is refused before the recipe is read
