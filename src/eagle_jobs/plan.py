@@ -24,7 +24,7 @@ from eagle_jobs.progress import console
 from eagle_jobs.recipe import DraftSpec, Recipe
 
 
-def _human(n: float, unit: str = "B") -> str:
+def human_bytes(n: float, unit: str = "B") -> str:
     for p in ("", "Ki", "Mi", "Gi", "Ti", "Pi"):  # binary multiples, so named as such (IEC)
         if abs(n) < 1024 or p == "Pi":
             return f"{n:,.1f} {p}{unit}" if p else f"{n:,.0f} {unit}"
@@ -187,7 +187,7 @@ def _why_storage(recipe: Recipe) -> str:
     x = recipe.extract
     if x.storage_dtype != "auto":
         return ""
-    return f" (extract.storage_dtype auto: fp8 above {_human(x.fp8_above_bytes)} in bf16)"
+    return f" (extract.storage_dtype auto: fp8 above {human_bytes(x.fp8_above_bytes)} in bf16)"
 
 
 def print_plan(recipe: Recipe, store=None, run_id: str | None = None, as_json: bool = False) -> dict:
@@ -208,20 +208,20 @@ def print_plan(recipe: Recipe, store=None, run_id: str | None = None, as_json: b
                       f"{u['hidden_state_tokens_reused']:,} tokens of hidden states already extracted")
     console.print(f"[bold]plan[/] {recipe.name}: {p['conversations']:,} conversations, {p['samples']:,} samples, "
                   f"~{p['tokens']:,} tokens (<= {p['tokens_per_sample']:.0f}/sample)")
-    console.print(f"  hidden states: {_human(p['hidden_state_bytes']['bfloat16'])} bf16, "
-                  f"{_human(p['hidden_state_bytes']['fp8'])} fp8 ({p['stored_layers']} layers), stored as "
+    console.print(f"  hidden states: {human_bytes(p['hidden_state_bytes']['bfloat16'])} bf16, "
+                  f"{human_bytes(p['hidden_state_bytes']['fp8'])} fp8 ({p['stored_layers']} layers), stored as "
                   f"{p['storage']}{_why_storage(recipe)}; "
                   f"draft {p['draft_parameters']['trainable']:,} trainable / "
                   f"{p['draft_parameters']['total']:,} total parameters")
     ck = p["train_checkpoint"]
-    console.print(f"  a train checkpoint: {_human(ck['bytes'])}, about {ck['save_s']:.0f} s to save on SIGTERM "
+    console.print(f"  a train checkpoint: {human_bytes(ck['bytes'])}, about {ck['save_s']:.0f} s to save on SIGTERM "
                   f"(within torchrun's shutdown timeout and the pod's terminationGracePeriodSeconds)")
     t = Table(title="per stage (stated throughputs: recipe `plan:`)")
     for c in ("stage", "time", "objects", "store writes", "store reads", "deadline >="):
         t.add_column(c)
     for name, s in p["stages"].items():
-        t.add_row(name, duration_text(s["time_s"]), f"{s['objects']:,}", _human(s["write_bytes"]),
-                  _human(s["read_bytes"]), f"{s['deadline_floor_s']:,} s")
+        t.add_row(name, duration_text(s["time_s"]), f"{s['objects']:,}", human_bytes(s["write_bytes"]),
+                  human_bytes(s["read_bytes"]), f"{s['deadline_floor_s']:,} s")
     t.add_row("total", duration_text(p["total_time_s"]), f"{p['total_objects']:,}", "", "")
     console.print(t)
     return p

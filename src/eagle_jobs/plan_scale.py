@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from eagle_jobs.hsformat import storage_for
-from eagle_jobs.plan import _human, duration_text, make_plan
+from eagle_jobs.plan import duration_text, human_bytes, make_plan
 from eagle_jobs.recipe import Recipe, Throughputs
 
 SCALE_MODES = {
@@ -191,7 +191,7 @@ def _storage_words(b: ScaleBasis) -> str:
     if b.storage != "auto":
         return f"{bpt[b.storage]:,} bytes of {b.storage} a token"
     return (f"{bpt['bfloat16']:,} bytes a token in bfloat16, {bpt['fp8']:,} in fp8 (storage auto: fp8 once a corpus "
-            f"is above {_human(b.fp8_above_bytes)} in bfloat16)")
+            f"is above {human_bytes(b.fp8_above_bytes)} in bfloat16)")
 
 
 def scale_table(recipe: Recipe, conversations: list[int]) -> dict:
@@ -230,7 +230,7 @@ def _read_bound_note(table: dict) -> list[str]:
         return ["Training is compute-bound at these rates in every row."]
     r = bound[0]
     return [f"Training is bound by store reads, not compute, in {len(bound)} of {len(table['rows'])} rows: an "
-            f"epoch of {r['conversations']:,} conversations reads {_human(r['corpus_bytes'])} at "
+            f"epoch of {r['conversations']:,} conversations reads {human_bytes(r['corpus_bytes'])} at "
             f"`plan.store_bytes_per_s` per training pod, longer than its compute at "
             "`plan.train_samples_per_s_per_gpu`."]
 
@@ -245,8 +245,8 @@ def scale_markdown(table: dict) -> str:
         lines.append(f"| {row['conversations']:,} | {row['mode']} | {row['storage']} | {_gpu_cell(g['capture'])} | "
                      f"{_extract_cell(g['extract'], row['extract_busy_gpu_hours'])} | "
                      f"{_gpu_cell(g['train'])} | {_gpu_cell(row['total_gpu_hours'])} | "
-                     f"{_human(row['peak_store_bytes'])} | {_human(row['written_bytes'])} | "
-                     f"{_human(row['traffic_bytes'])} | {_wall(row['wall_s'])} |")
+                     f"{human_bytes(row['peak_store_bytes'])} | {human_bytes(row['written_bytes'])} | "
+                     f"{human_bytes(row['traffic_bytes'])} | {_wall(row['wall_s'])} |")
     lines += ["", "GPU-hours are booked hours (pods held, busy or waiting); extraction's busy share is in "
               "brackets where it differs. Store columns count hidden states only; "
               "traffic is what is written plus what is read. "

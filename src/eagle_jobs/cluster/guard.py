@@ -12,7 +12,8 @@ The kubelet waits, and never fails the pod, where a run cannot go on (kubernetes
   replaces it only once it is gone (see LOST_NODE_RULES), and the run's other pods wait.
 Each holds GPUs until the stage's activeDeadlineSeconds, which is days. The guard (replicatedJob
 `guard`, k8s/base/pipeline.yaml) reads its JobSet's pods every POLL_S. Once a container has waited for one
-of those reasons for STUCK_AFTER_S, or a sidecar has exited SIDECAR_EXITS times, it says which and why in
+of those reasons for STUCK_AFTER_S, a sidecar has exited SIDECAR_EXITS times, or a pod has been terminating
+for STUCK_AFTER_S past its grace period, it says which and why in
 one line and exits ExitCode.STUCK: its podFailurePolicy fails its Job (FailJob) and the JobSet's
 failurePolicy fails the run (BadInputFailsTheRun), which deletes every pod of it. `eagle-jobs status`
 shows the line. It exits 0 once every other replicatedJob of the JobSet has succeeded.
@@ -65,8 +66,9 @@ def _lost_node(pod, since: float, now: float) -> str | None:
     """The line for a pod that has been terminating for STUCK_AFTER_S past its grace period: its kubelet
     would have ended it by then, so its node is gone or out of reach. None while it may still end."""
     grace = pod.metadata.deletion_grace_period_seconds
-    if grace is None:
-        grace = (pod.spec.termination_grace_period_seconds if pod.spec else None) or 30
+    if grace is None:  # the API server sets it on delete; else the pod's own, else Kubernetes' default 30 s
+        grace = pod.spec.termination_grace_period_seconds if pod.spec else None
+        grace = 30 if grace is None else grace
     if now - since < grace + STUCK_AFTER_S:
         return None
     node = (pod.spec.node_name if pod.spec else None) or "<node>"
