@@ -241,6 +241,10 @@ def test_vllm_sidecar_is_never_restarted_by_a_probe_and_the_worker_waits_for_it(
         assert side["terminationMessagePolicy"] == "FallbackToLogsOnError"  # what the guard quotes
         env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
         assert env["EAGLE_JOBS_VLLM_ENDPOINT"] == "http://127.0.0.1:8000"
+        # evaluate's worker asks the sidecar for each of the servers prepare wrote (eagle_jobs.vllm_switch)
+        written = prepare["args"][prepare["args"].index("--write") + 1]
+        assert side["args"] == ["exec-vllm", written]
+        assert env.get("EAGLE_JOBS_VLLM_PLANS") == (written if st == "evaluate" else None)
     assert "initContainers" not in _pod(js, "train")
 
 
@@ -571,12 +575,13 @@ def test_the_prepare_container_builds_every_plan_without_torch_or_transformers(t
 import sys
 from pathlib import Path
 from eagle_jobs.recipe import Recipe
-from eagle_jobs.serve_plans import capture_plan, evaluate_plan, extract_plan
+from eagle_jobs.serve_plans import capture_plan, evaluate_plan, evaluate_plans, extract_plan
 r = Recipe.model_validate({{"name": "x", "verifier": {{"model": "m", "num_layers": 8}}, "aux_layer_ids": [1, 4, 6],
                            "prompts": {{"source": "pypi://sharegpt"}},
                            "chat": {{"reasoning_parser": "kimi_k2"}}, "extract": {{"scratch_dir": {str(tmp_path)!r}}}}})
 plans = [capture_plan(r), extract_plan(r, "run", 3), evaluate_plan(r, Path("/d")), evaluate_plan(r, None)]
 assert plans[0].stage_args == ("--reasoning-parser", "kimi_k2") and plans[3].stage_args == ()
+assert list(evaluate_plans(r, Path("/d"), Path("/u"))) == ["draft-k3", "untrained-k3", "no-draft"]
 import eagle_jobs.cli, eagle_jobs.committed
 print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
 """
@@ -745,6 +750,24 @@ def test_operations_node_sizes_are_the_rendered_requests(rendered):
                for k in ("cpu", "memory", "nvidia.com/gpu", "ephemeral-storage")]
         want[rj["name"]] = (rj["template"]["spec"]["completions"], *tot)
     assert {r[0]: tuple(float(x) for x in r[1:]) for r in rows} == {k: tuple(map(float, v)) for k, v in want.items()}
+
+
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "full-b200", "full-gb200"])
+def test_the_evaluate_worker_holds_the_untrained_draft_its_recipe_builds(overlay):
+    """evaluate's worker builds the untrained draft (the τ baseline) in its own container, beside the vLLM
+    sidecar: its memory limit covers `plan`'s bound on that build at the overlay recipe's draft shape
+    (9.2 GiB for Kimi-K2.5; 8.9 GiB measured by benchmarks/bench_untrained_draft.py) with a fifth spare,
+    as the scale rehearsal asks of every pod (benchmarks/scale/rehearse.py HEADROOM)."""
+    from eagle_jobs.plan import make_plan
+    from eagle_jobs.recipe_file import recipe_from_text
+
+    docs = kustomize(REPO / "k8s/overlays" / overlay)
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and "recipe.yaml" in d.get("data", {}))
+    bound = make_plan(recipe_from_text(cm["data"]["recipe.yaml"]))["untrained_draft_bytes"]
+    evaluate = next(rj for rj in _jobset(docs)["spec"]["replicatedJobs"] if rj["name"] == "evaluate")
+    worker = evaluate["template"]["spec"]["template"]["spec"]["containers"][0]
+    limit = worker["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi") and bound <= 0.8 * int(limit[:-2]) * 2**30, (overlay, limit, bound / 2**30)
 
 
 def test_weights_volume_component_mounts_the_claim_read_only_where_the_verifier_is_read(tmp_path):

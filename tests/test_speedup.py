@@ -8,6 +8,8 @@ numbers to their own definitions (tokens / seconds, ratios, counts), not to a va
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -177,6 +179,54 @@ def test_report_holds_the_speedup_per_set_and_concurrency(evaluated):
     assert "## Serve this draft" in md and "DRAFT_DIR" in md
     for png in ("speedup.png", "position.png"):
         assert st.get(f"r/eval/data/{png}")[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.vllm
+@pytest.mark.train
+@needs_vllm
+def test_a_pod_sidecar_measures_the_speed_surface_and_the_baseline(evaluated, tmp_path, monkeypatch):
+    """evaluate as in a pod of components/vllm-sidecar, on real vLLM: prepare (`serve-vllm --write`) writes
+    every server, the sidecar (`exec-vllm`) serves one at a time and the worker asks for each by name. The
+    report then has what the stage's own servers give: the baseline, the (k, concurrency) surface and a
+    recommendation from it."""
+    import subprocess
+
+    from proc_helpers import EAGLE_JOBS, run_cli
+
+    from eagle_jobs.evaluate.run import run_evaluate
+    from eagle_jobs.evaluate.speed import SPEED_NOTE
+
+    recipe, st, own = evaluated
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(json.dumps(recipe.model_dump(mode="json", exclude_unset=True)))
+    plans, work = tmp_path / "vllm-serve.json", tmp_path / "work"  # the pod's /work, shared by the three
+    env = {**os.environ, "EAGLE_JOBS_WORK_DIR": str(work), "EAGLE_JOBS_RUN_ID": "r"}
+    prepared = run_cli(["serve-vllm", "--recipe", str(recipe_file), "--stage", "evaluate", "--write", str(plans)], env)
+    assert prepared.returncode == 0, prepared.stderr
+    assert list(json.loads(plans.read_text())["plans"]) == ["draft-k3", "untrained-k3", "draft-k1", "no-draft"]
+    log = tmp_path / "sidecar.log"
+    with open(log, "w") as out:
+        sidecar = subprocess.Popen([EAGLE_JOBS, "exec-vllm", str(plans)], env=env, stdout=out, stderr=out)
+    try:
+        for k, v in (("EAGLE_JOBS_WORK_DIR", str(work)), ("EAGLE_JOBS_VLLM_PLANS", str(plans)),
+                     ("EAGLE_JOBS_VLLM_ENDPOINT", f"http://127.0.0.1:{recipe.evaluate.vllm.port}")):
+            monkeypatch.setenv(k, v)
+        report = run_evaluate(recipe, st, "r", output=tmp_path / "report")
+    finally:
+        sidecar.terminate()
+        sidecar.wait(180)
+    served = [line.split("serving plan ")[1].split()[0] for line in log.read_text().splitlines()
+              if "serving plan " in line]
+    assert served == ["draft-k3", "untrained-k3", "draft-k1", "no-draft"], log.read_text()[-3000:]
+    assert sidecar.returncode == 128 + signal.SIGTERM
+    assert report["speedup_note"] == SPEED_NOTE and report["serving"]["by_level"]
+    for name in ("validation", "other"):
+        x, o = report["prompt_sets"][name], own["prompt_sets"][name]
+        assert [(c["k"], c["concurrency"]) for c in x["speedup"]["surface"]] == [(1, 1), (1, 4), (3, 1), (3, 4)]
+        assert x["baseline_acceptance_length"] is not None
+        # the same engine, prompts and greedy fp32 serving as the stage's own servers: the same τ
+        assert x["prompts_sha256"] == o["prompts_sha256"]
+        assert x["acceptance_length"] == pytest.approx(o["acceptance_length"], abs=0.05), name
 
 
 @pytest.mark.vllm

@@ -7,7 +7,6 @@ eagle_jobs.errors.ExitCode (documented in docs/OPERATIONS.md#exit-codes).
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shlex
 import sys
@@ -531,28 +530,34 @@ def mirror_verifier(recipe: RecipeOpt):
 def serve_vllm(recipe: RecipeOpt,
                stage: Annotated[str, typer.Option(help="capture, extract or evaluate")],
                store: StoreOpt = None, run_id: RunOpt = None, shard_index: IndexOpt = None,
-               dry_run: Annotated[bool, typer.Option(help="print the command instead of running it")] = False,
+               dry_run: Annotated[bool, typer.Option(help="print the commands instead of running one")] = False,
                write: Annotated[Optional[Path], typer.Option(
-                   help="write the command as JSON for `exec-vllm` instead of running it")] = None):
-    """Exec `vllm serve` with exactly the arguments a stage needs.
+                   help="write the stage's plans as JSON for `exec-vllm` instead of running the first")] = None):
+    """Exec `vllm serve` with exactly the arguments a stage needs (evaluate: its first server).
 
     In a pod, `--write` runs in a regular init container: every check that can fail (recipe, store,
     the draft's download) fails there, with its exit code, before vLLM's restartable sidecar starts.
+    It writes every server the stage starts (evaluate's several: eagle_jobs.vllm_switch).
     """
-    from eagle_jobs.serve_plans import stage_plan
+    from eagle_jobs.serve_plans import stage_plans
+    from eagle_jobs.vllm_server import with_shutdown_timeout
+    from eagle_jobs.vllm_switch import PreparedPlans
 
     r, st, rid = _context(recipe, store, run_id)
-    plan = stage_plan(r, stage, st, rid, shard_index)
-    cmd = plan.command()
-    env = {k: v for k, v in plan.env(os.environ).items() if os.environ.get(k) != v}
+    plans = stage_plans(r, stage, st, rid, shard_index)
+    prepared: dict[str, dict] = {}
+    for name, plan in plans.items():
+        cmd = plan.command() if len(plans) == 1 else with_shutdown_timeout(plan.command())  # stopped to switch
+        prepared[name] = {"argv": cmd, "env": {k: v for k, v in plan.env(os.environ).items() if os.environ.get(k) != v}}
+    first = next(iter(prepared))
     if dry_run:
-        print(shlex.join([*(f"{k}={v}" for k, v in sorted(env.items())), *cmd]))
+        for name, p in prepared.items():
+            print(("" if len(prepared) == 1 else f"# {name}\n")
+                  + shlex.join([*(f"{k}={v}" for k, v in sorted(p["env"].items())), *p["argv"]]))
     elif write is not None:
-        tmp = write.with_name(write.name + ".tmp")
-        tmp.write_text(json.dumps({"argv": cmd, "env": env}))
-        os.replace(tmp, write)  # the sidecar never reads half a command
+        PreparedPlans(prepared, first).write(write)
     else:
-        _exec(cmd, env)
+        _exec(prepared[first]["argv"], prepared[first]["env"])
 
 
 @app.command("guard", hidden=True)
@@ -567,12 +572,15 @@ def guard_run(jobset: Annotated[str, typer.Option(envvar="JOBSET_NAME", help="th
 
 @app.command("exec-vllm", hidden=True, epilog=EXIT_CODES)
 def exec_vllm(command_file: Annotated[Path, typer.Argument(help="what `serve-vllm --write` wrote")]):
-    """The pod's vLLM sidecar: exec the prepared `vllm serve` command, with nothing left to check."""
-    if not command_file.is_file():
-        raise BadInput(f"exec-vllm: {command_file} not found: the prepare init container writes it "
-                       "(serve-vllm --write); check the pod's initContainers")
-    prepared = json.loads(command_file.read_text())
-    _exec(prepared["argv"], prepared["env"])
+    """The pod's vLLM sidecar: exec the prepared `vllm serve` command, with nothing left to check; of several
+    (evaluate), serve the one the worker asks for (eagle_jobs.vllm_switch)."""
+    from eagle_jobs.vllm_switch import PreparedPlans, supervise
+
+    prepared = PreparedPlans.read(command_file)
+    if len(prepared.plans) > 1:
+        raise typer.Exit(supervise(command_file))
+    only = prepared.plans[prepared.first]
+    _exec(only["argv"], only["env"])
 
 
 def _exec(cmd: list[str], env: dict[str, str]) -> None:

@@ -78,13 +78,13 @@ def config_for(ranges: list[ServingRange], draft: str) -> dict | None:
 
 
 def as_measured(recipe: Recipe) -> ServingAdvice:
-    """Where speed was not measured (evaluate on the pod's vLLM sidecar, or the transformers backend): the
-    config τ was measured at, k = evaluate.k on evaluate's server, with no claim about where it pays."""
+    """Where speed was not measured (evaluate on one given server, evaluate.vllm.endpoint, or the transformers
+    backend): the config τ was measured at, k = evaluate.k on evaluate's server, with no claim about where it pays."""
     ev = recipe.evaluate
     spec = speculative_config(DRAFT_PLACEHOLDER, ev.k)
     plan = ServePlan(ev.vllm, recipe.verifier, ("--speculative-config", json.dumps(spec)))
     note = (f"speed not measured: the config τ was measured at (k {ev.k}); whether it pays, and up to which "
-            "concurrency, takes the speed pass (`eagle-jobs evaluate` on the vllm backend with servers of its own)")
+            "concurrency, takes the speed pass (`eagle-jobs evaluate` on the vllm backend, no evaluate.vllm.endpoint)")
     return {"by_level": [], "ranges": [], "no_gain_from": None, "speculative_config": spec,
             "command": plan.command(), "env": plan.env({}), "note": note}
 

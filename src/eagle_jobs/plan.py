@@ -98,10 +98,10 @@ def deadline_floor_s(time_s: float, load_s: float) -> int:
 
 
 def server_load_s(recipe: Recipe, stage: str) -> float:
-    """How long the stage's worker waits for its vLLM servers to answer /health (0: no server). Evaluate,
-    starting its own servers, loads the verifier once a server: the trained draft at evaluate.k, the
-    untrained draft, each other k of the speed pass and the server without a draft, as it prices their
-    passes above; a pod's sidecar loads it once, and the floor stays an upper bound there."""
+    """How long the stage's worker waits for its vLLM servers to answer /health (0: no server). Evaluate
+    loads the verifier once a server, whether it starts them or a pod's sidecar switches between them
+    (eagle_jobs.vllm_switch): the trained draft at evaluate.k, the untrained draft, each other k of the
+    speed pass and the server without a draft, as it prices their passes above."""
     if stage not in VLLM_STAGES:
         return 0.0
     spec = getattr(recipe, stage)
@@ -120,6 +120,13 @@ SAVE_WRITE_BPS, SAVE_EXPORT_BPS = 205 * 2**20, 345 * 2**20
 
 def checkpoint_save_s(nbytes: float, store_bytes_per_s: float) -> float:
     return nbytes / SAVE_WRITE_BPS + nbytes / SAVE_EXPORT_BPS + nbytes / store_bytes_per_s
+
+
+def untrained_draft_bytes(shape, params: dict) -> int:
+    """Peak memory of building evaluate's untrained draft (evaluate.decode.save_untrained), an upper bound:
+    the draft's every parameter in bf16, and the verifier's embeddings and head as speculators loads them
+    (bf16) to copy from. benchmarks/bench_untrained_draft.py measures the build."""
+    return 2 * params["total"] + 2 * 2 * shape.verifier_vocab_size * shape.hidden_size
 
 
 def make_plan(recipe: Recipe) -> dict:
@@ -179,6 +186,7 @@ def make_plan(recipe: Recipe) -> dict:
             "hidden_state_bytes": {"bfloat16": hs_bf16, "fp8": hs_fp8}, "stored_layers": n_layers, "storage": storage,
             "draft_shape": shape.describe(), "draft_parameters": params, "gpus_for_training": gpus,
             "train_checkpoint": {"bytes": ckpt, "save_s": checkpoint_save_s(ckpt, tp.store_bytes_per_s)},
+            "untrained_draft_bytes": untrained_draft_bytes(shape, params),
             "stages": stages, "total_time_s": sum(s["time_s"] for s in stages.values()),
             "total_objects": sum(s["objects"] for s in stages.values())}
 

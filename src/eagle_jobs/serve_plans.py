@@ -75,28 +75,57 @@ def speculative_config(draft: str, k: int) -> dict:
 PER_REQUEST_SPEC_METRICS = ("--per-request-spec-decode-metrics", "detailed")
 
 
-def evaluate_plan(recipe: Recipe, draft_dir: Path | None, k: int | None = None) -> ServePlan:
+NO_DRAFT = "no-draft"
+
+
+def plan_name(k: int | None, untrained: bool = False) -> str:
+    """An evaluate server's name, by which the worker asks a pod's sidecar for it (eagle_jobs.vllm_switch)."""
+    return NO_DRAFT if k is None else f"{'untrained' if untrained else 'draft'}-k{k}"
+
+
+def evaluate_plan(recipe: Recipe, draft_dir: Path | None, k: int | None = None, untrained: bool = False) -> ServePlan:
     """evaluate: the recipe's evaluate.vllm and the verifier, with the draft as EAGLE-3 speculative
-    decoding at draft length k (default evaluate.k), or, for the speed baseline (draft_dir None), without one."""
+    decoding at draft length k (default evaluate.k), or, for the speed baseline (draft_dir None), without one.
+    untrained: the draft is the τ baseline (it names the plan)."""
     if draft_dir is None:
-        return ServePlan(recipe.evaluate.vllm, recipe.verifier, ())
-    spec = speculative_config(str(draft_dir), k or recipe.evaluate.k)
+        return ServePlan(recipe.evaluate.vllm, recipe.verifier, (), NO_DRAFT)
+    k = k or recipe.evaluate.k
+    spec = speculative_config(str(draft_dir), k)
     return ServePlan(recipe.evaluate.vllm, recipe.verifier,
-                     ("--speculative-config", json.dumps(spec), *PER_REQUEST_SPEC_METRICS))
+                     ("--speculative-config", json.dumps(spec), *PER_REQUEST_SPEC_METRICS), plan_name(k, untrained))
 
 
-def stage_plan(recipe: Recipe, stage: str, store: Store, run_id: str, shard_index: int | None = None) -> ServePlan:
-    """The plan of one stage as the stage itself would start it: what a pod's vLLM sidecar runs."""
+def sidecar_drafts() -> tuple[Path, Path]:
+    """Where a pod's drafts are, on the volume its prepare, worker and vLLM sidecar share: the trained
+    one (prepare downloads it) and the untrained one (the worker builds it before it asks for it)."""
+    work = settings().work_dir or Path("/tmp")
+    return work / "draft", work / "untrained-draft"
+
+
+def evaluate_plans(recipe: Recipe, draft_dir: Path, untrained_dir: Path) -> dict[str, ServePlan]:
+    """Every server evaluate starts, by name, in the order it starts them: the draft at evaluate.k, the
+    untrained draft at evaluate.k, the draft at each other k of the speed pass, and no draft."""
+    ev = recipe.evaluate
+    plans = [evaluate_plan(recipe, draft_dir, ev.k), evaluate_plan(recipe, untrained_dir, ev.k, untrained=True),
+             *(evaluate_plan(recipe, draft_dir, k) for k in ev.num_speculative_tokens if k != ev.k),
+             evaluate_plan(recipe, None)]
+    return {p.name: p for p in plans}
+
+
+def stage_plans(recipe: Recipe, stage: str, store: Store, run_id: str,
+                shard_index: int | None = None) -> dict[str, ServePlan]:
+    """The plans of one stage as the stage itself would start them, the first first: what a pod's vLLM
+    sidecar runs. One for capture and extract; evaluate's every server (evaluate_plans)."""
     from eagle_jobs.sharding import worker_index
 
     if stage == "capture":
-        return capture_plan(recipe)
+        return {"capture": capture_plan(recipe)}
     if stage == "extract":
         # the worker's scratch needs only its index: the sidecar is not told the shard count
-        return extract_plan(recipe, run_id, worker_index(shard_index))
+        return {"extract": extract_plan(recipe, run_id, worker_index(shard_index))}
     if stage == "evaluate":
         from eagle_jobs.committed import download_final
 
-        work = settings().work_dir or Path("/tmp")
-        return evaluate_plan(recipe, download_final(store, run_id, work / "draft"))
+        trained, untrained = sidecar_drafts()
+        return evaluate_plans(recipe, download_final(store, run_id, trained), untrained)
     raise BadInput(f"serve-vllm --stage {stage}: choose capture, extract or evaluate")

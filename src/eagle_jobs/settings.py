@@ -23,6 +23,8 @@ class Settings(BaseSettings):
     work_dir: Path | None = Field(default=None, description="local scratch: checkpoints, staged shards, server logs")
     cache: Path | None = Field(default=None, description="downloaded verifier files (default ~/.cache/eagle-jobs)")
     vllm_endpoint: str | None = Field(default=None, description="the pod's vLLM sidecar (components/vllm-sidecar)")
+    vllm_plans: Path | None = Field(default=None, description="the plans the pod's prepare wrote, which its vLLM "
+                                    "sidecar serves one at a time (eagle_jobs.vllm_switch)")
     nnodes: int | None = Field(default=None, description="training nodes (overlays/full-multinode)")
     image_digests: dict[str, str] = Field(default_factory=dict, description="the images submit pinned, as JSON")
 

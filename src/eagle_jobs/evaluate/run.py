@@ -1,6 +1,6 @@
 """The evaluate stage: the draft checked against the recipe and its extraction, τ of the draft and of an
-untrained one on every prompt set (and the speed pass where this stage starts its own servers), the
-teacher-forced estimate, and the report committed to the store."""
+untrained one on every prompt set (and the speed pass, on servers this stage starts or a pod's sidecar
+switches to), the teacher-forced estimate, and the report committed to the store."""
 
 from __future__ import annotations
 
@@ -9,19 +9,26 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from eagle_jobs.committed import download_final, extraction_info, tau_estimate
 from eagle_jobs.deploy import advise
 from eagle_jobs.errors import BadInput
-from eagle_jobs.evaluate.decode import evaluate_transformers, load_draft
+from eagle_jobs.evaluate.decode import evaluate_transformers, save_untrained
 from eagle_jobs.evaluate.served import evaluate_vllm_sets
 from eagle_jobs.evaluate.sets import eval_sets, max_tokens_of, set_source, within_limits
-from eagle_jobs.evaluate.speed import SPEED_NOTE, own_servers, speed_without_draft, speedup_table, timed_sets
+from eagle_jobs.evaluate.speed import (
+    NOT_TIMED,
+    SPEED_NOTE,
+    own_servers,
+    sidecar_switches,
+    speed_without_draft,
+    speedup_table,
+    timed_sets,
+)
 from eagle_jobs.layout import StageName, content_hash, eval_dir, train_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.records import EngineRecord, EvalReport, PromptSetResult
+from eagle_jobs.serve_plans import sidecar_drafts
 from eagle_jobs.store import Stage, Store
 
 STAGE = StageName.EVALUATE.dir
@@ -74,26 +81,23 @@ def measure_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict
     {"sets": set -> speedup table, "note", "wall_s"}). The long-output set is for τ by position: no
     untrained baseline and no speed pass there."""
     vllm, own = recipe.evaluate.backend == "vllm", own_servers(recipe)
-    sets, too_long, res = measure_draft(recipe, draft_dir, sets, timed=vllm and own)
+    servers = own or sidecar_switches(recipe)  # the baselines and each k need a server of their own
+    sets, too_long, res = measure_draft(recipe, draft_dir, sets, timed=vllm and servers)
     if not vllm:
         base = {name: evaluate_transformers(recipe, draft_dir, m, untrained=True)
                 for name, m in timed_sets(sets).items()}
         return sets, too_long, res, base, {
             "sets": {}, "wall_s": None, "note": "not measured: speed is a serving measure, taken on the vllm "
             "backend (the transformers loop runs one request at a time, unbatched)"}
-    # The baseline and the speed without a draft need servers of their own: possible when this stage
-    # starts vLLM itself, not when a sidecar serves the trained draft for the whole pod.
-    if not own:
-        return sets, too_long, res, {}, {
-            "sets": {}, "wall_s": None, "note": "not measured: the pod's vLLM sidecar serves only the trained "
-            "draft, and a server without it cannot start beside it"}
+    if not servers:
+        return sets, too_long, res, {}, {"sets": {}, "wall_s": None, "note": NOT_TIMED}
     from eagle_jobs.verifier import resolve_path
 
-    untrained = work / "untrained-draft"
-    load_draft(draft_dir, resolve_path(recipe.verifier, "embeddings"), untrained=True,
-               seed=recipe.train.seed).to(torch.bfloat16).save_pretrained(untrained)
+    # a pod's sidecar serves the untrained draft from the path its prepare named, on the volume they share
+    untrained = save_untrained(draft_dir, resolve_path(recipe.verifier, "embeddings"), recipe.train.seed,
+                               work / "untrained-draft" if own else sidecar_drafts()[1])
     timed = timed_sets(sets)
-    base = evaluate_vllm_sets(recipe, untrained, timed)
+    base = evaluate_vllm_sets(recipe, untrained, timed, untrained=True)
     started = time.perf_counter()
     by_k = {recipe.evaluate.k: {name: res[name]["speed"] for name in timed}}
     for k in recipe.evaluate.num_speculative_tokens:  # every other k: a server each, timed only
@@ -166,7 +170,7 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
         "baseline_acceptance_length": p["baseline_acceptance_length"],
         "baseline_per_position_acceptance": p["baseline_per_position_acceptance"],
         "baseline_note": ("the same loop with an untrained draft (same shape, vocab mapping and verifier embeddings)"
-                          if base else "not measured: the pod's vLLM sidecar serves only the trained draft"),
+                          if base else NOT_TIMED),
         "speedup": p["speedup"], "speedup_note": speed["note"], "speedup_wall_s": speed["wall_s"],
         "speed_ks": recipe.evaluate.num_speculative_tokens,
         "concurrency_levels": recipe.evaluate.concurrency_levels, "min_speedup": recipe.evaluate.min_speedup,

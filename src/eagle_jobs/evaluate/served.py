@@ -1,4 +1,4 @@
-"""The vLLM backend: one server a draft (started here, or the recipe's endpoint or the pod's sidecar),
+"""The vLLM backend: one server a draft (started here, or the recipe's endpoint, or the pod's sidecar on request),
 each set's speed pass first when asked, then its τ from the /metrics counters around the set and its τ by
 output position from each response's verify steps."""
 
@@ -69,8 +69,10 @@ def tau_pass(recipe: Recipe, base: str, model: str, name: str, prompts: list[lis
 
 
 def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict]]],
-                       timed: bool = False, k: int | None = None, tau: bool = True) -> dict[str, dict]:
-    """One server for every set, the draft at k (default evaluate.k). tau: each set's τ (tau_pass).
+                       timed: bool = False, k: int | None = None, tau: bool = True,
+                       untrained: bool = False) -> dict[str, dict]:
+    """One server for every set, the draft at k (default evaluate.k; untrained: the τ baseline). tau: each
+    set's τ (tau_pass).
     timed: first time each set but the long-output one at each concurrency level (measure_speed), as
     out[set]["speed"]."""
     from eagle_jobs.vllm_server import server_log, vllm_endpoint
@@ -78,7 +80,7 @@ def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[lis
     k = k or recipe.evaluate.k
     log = server_log(None, f"port-{recipe.evaluate.vllm.port}")  # vllm_endpoint's own choice, appended to
     ended = log.stat().st_size if log.is_file() else 0  # a server started here writes after this
-    with vllm_endpoint(evaluate_plan(recipe, draft_dir, k), log) as base:
+    with vllm_endpoint(evaluate_plan(recipe, draft_dir, k, untrained), log) as base:
         model = served_model(base)
         engine = engine_record(recipe, base, _log_since(log, ended) if own_servers(recipe) else None)
         sets, too_long = within_limits(recipe, sets, served_token_count(recipe, base, model))

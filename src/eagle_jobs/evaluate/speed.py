@@ -127,3 +127,18 @@ def own_servers(recipe: Recipe) -> bool:
     ($EAGLE_JOBS_VLLM_ENDPOINT, components/vllm-sidecar)."""
     return not (recipe.evaluate.vllm.endpoint or settings().vllm_endpoint)
 
+
+def sidecar_switches(recipe: Recipe) -> bool:
+    """Whether the pod's vLLM sidecar serves each of evaluate's servers in turn, on the worker's request:
+    prepare wrote them all ($EAGLE_JOBS_VLLM_PLANS, eagle_jobs.vllm_switch)."""
+    from eagle_jobs.vllm_switch import PreparedPlans
+
+    s = settings()
+    if recipe.evaluate.vllm.endpoint or not s.vllm_endpoint or s.vllm_plans is None or not s.vllm_plans.is_file():
+        return False
+    return len(PreparedPlans.read(s.vllm_plans).plans) > 1
+
+
+NOT_TIMED = ("not measured: evaluate talks to one given server (evaluate.vllm.endpoint), and the untrained draft, "
+             "each other k and the server without a draft need servers of their own")
+
