@@ -2,7 +2,7 @@
 
 `settings()` reads the environment when called, not at import: a training rank, a test and the CLI each
 set variables before the code that reads them runs. An empty variable counts as unset, as the shell's
-`${VAR:-default}` does. The store's transfer sizes (store.py) are read once at import, where they size
+`${VAR:-default}` does. The store's transfer sizes (store_s3.py) are read once at import, where they size
 module constants.
 """
 
@@ -27,6 +27,9 @@ class Settings(BaseSettings):
                                     "sidecar serves one at a time (eagle_jobs.vllm_switch)")
     nnodes: int | None = Field(default=None, description="training nodes (overlays/full-multinode)")
     image_digests: dict[str, str] = Field(default_factory=dict, description="the images submit pinned, as JSON")
+    multipart_bytes: int = Field(default=64 * 1024**2, description="an S3 object above this is a multipart upload")
+    part_bytes: int = Field(default=32 * 1024**2, description="a multipart upload's part (S3's minimum: 5 MiB)")
+    store_retries: int = Field(default=6, description="retries of a store request that failed in a transient way")
 
     def cache_root(self) -> Path:
         return self.cache or Path.home() / ".cache" / "eagle-jobs"

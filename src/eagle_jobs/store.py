@@ -1,4 +1,5 @@
-"""The artifact store every stage reads and writes: file:// or s3:// through fsspec.
+"""The artifact store every stage reads and writes: file:// or s3:// through fsspec (what only S3 needs:
+store_s3.py).
 
 Layout (docs/FORMAT.md): <store>/<run-id>/<stage>/
     data/<shard>.<ext>         shard objects
@@ -12,7 +13,6 @@ whose manifest verifies and redoes the rest.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import hashlib
 import json
@@ -29,41 +29,21 @@ from typing import Any, TypeVar
 import fsspec
 
 from eagle_jobs.errors import BadInput, StoreError
+from eagle_jobs.store_s3 import (
+    MULTIPART_THRESHOLD,
+    RETRIES,
+    check_bucket,
+    fatal,
+    is_transient,
+    multipart_upload,
+    s3_filesystem,
+)
 
 T = TypeVar("T")
 
 # Objects above this go up as a multipart upload with parts sent in parallel.
-MULTIPART_THRESHOLD = int(os.environ.get("EAGLE_JOBS_MULTIPART_BYTES", 64 * 1024**2))
-PART_BYTES = max(5 * 1024**2, int(os.environ.get("EAGLE_JOBS_PART_BYTES", 32 * 1024**2)))
-PARALLEL_PARTS = 8
-RETRIES = int(os.environ.get("EAGLE_JOBS_STORE_RETRIES", 6))
 GET_BATCH = 256  # objects read concurrently by Store.get_many
 MANY_MANIFESTS = 2000  # Stage.manifests says when it reads this many
-
-_FATAL_CODES = {
-    "NoSuchBucket", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied",
-    "InvalidBucketName", "AuthorizationHeaderMalformed", "ExpiredToken", "InvalidToken",
-}
-
-
-def _error_code(exc: BaseException) -> str | None:
-    for e in (exc, exc.__cause__, exc.__context__):
-        resp = getattr(e, "response", None)
-        if isinstance(resp, dict):
-            return resp.get("Error", {}).get("Code")
-    return None
-
-
-def _is_transient(exc: BaseException) -> bool:
-    code = _error_code(exc)
-    if code in _FATAL_CODES:
-        return False
-    if isinstance(exc, (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError)):
-        return False
-    if code in {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "503", "500"}:
-        return True
-    return isinstance(exc, (ConnectionError, TimeoutError, OSError, asyncio.TimeoutError))
-
 
 def nearby_runs(items: Sequence[T], span: Callable[[T], tuple[int, int]], max_gap: int) -> Iterator[list[T]]:
     """`items` sorted by start and cut into runs whose neighbours are at most `max_gap` bytes apart (span:
@@ -131,18 +111,7 @@ class Store:
         elif protocol == "s3":
             if not rest.strip("/"):
                 raise StoreError(f"store {uri}: no bucket in the URI (use s3://<bucket>/<prefix>)")
-            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-            region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-            client_kwargs = {k: v for k, v in {"endpoint_url": endpoint, "region_name": region}.items() if v}
-            # Credentials come from the standard AWS_* variables (or the pod's role) via botocore.
-            # No listings cache: s3fs would answer a read of a key another process wrote after this
-            # one listed its prefix from the stale listing (FileNotFoundError), and stages read
-            # what other pods commit while they run.
-            fs = fsspec.filesystem(
-                "s3", client_kwargs=client_kwargs, skip_instance_cache=True, use_listings_cache=False,
-                config_kwargs={"retries": {"max_attempts": 2, "mode": "standard"}},
-            )
-            root = rest.rstrip("/")
+            fs, root = s3_filesystem(), rest.rstrip("/")
         else:
             raise StoreError(f"store {uri}: unsupported scheme '{protocol}' (use file:// or s3://)")
         return cls(uri=uri.rstrip("/"), fs=fs, root=root)
@@ -166,45 +135,20 @@ class Store:
             except FileNotFoundError:
                 raise
             except Exception as e:  # noqa: BLE001 - classified below
-                if not _is_transient(e):
-                    raise self._fatal(what, e) from None
+                if not is_transient(e):
+                    raise fatal(self.uri, what, e) from None
                 if attempt == RETRIES:
                     raise StoreError(f"store {self.uri}: {what} still failing after {RETRIES} retries: {e}") from None
                 time.sleep(delay * (1 + random.random()))
                 delay = min(delay * 2, 10.0)
         raise AssertionError("unreachable")
 
-    def _fatal(self, what: str, e: BaseException) -> StoreError:
-        code = _error_code(e) or type(e).__name__
-        hint = {
-            "NoSuchBucket": "create the bucket or fix the store URI",
-            "InvalidAccessKeyId": "check AWS_ACCESS_KEY_ID / the store Secret",
-            "SignatureDoesNotMatch": "check AWS_SECRET_ACCESS_KEY / the store Secret",
-            "AccessDenied": "grant this identity read/write on the bucket",
-        }.get(code, "check the store URI, AWS_ENDPOINT_URL and credentials")
-        return StoreError(f"store {self.uri}: {what} failed ({code}): {hint}")
-
     def check(self) -> None:
         """Fail at once, with one line, when the store cannot be used at all."""
         if not self.is_s3:
             Path(self.root).mkdir(parents=True, exist_ok=True)
             return
-        bucket = self.root.split("/", 1)[0]
-        try:
-            self.fs.call_s3("head_bucket", Bucket=bucket)
-        except Exception as e:  # noqa: BLE001
-            code = _error_code(e)
-            if code in {"404", "NoSuchBucket"} or isinstance(e, FileNotFoundError):
-                raise StoreError(f"store {self.uri}: bucket '{bucket}' does not exist: "
-                                 "create it or fix the store URI") from None
-            denied = {"403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"}
-            if code in denied or isinstance(e, PermissionError):
-                raise StoreError(f"store {self.uri}: access to bucket '{bucket}' denied: "
-                                 "check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (the store Secret)") from None
-            if _is_transient(e):
-                self._retry("head_bucket", lambda: self.fs.call_s3("head_bucket", Bucket=bucket))
-                return
-            raise self._fatal("head_bucket", e) from None
+        check_bucket(self.fs, self.uri, self.root.split("/", 1)[0], self._retry)
 
     # -- objects --------------------------------------------------------------------
     def put(self, key: str, data: bytes) -> None:
@@ -223,7 +167,7 @@ class Store:
                 Path(tmp).unlink(missing_ok=True)
             return
         if len(data) > MULTIPART_THRESHOLD:
-            self._retry(f"multipart upload of {key}", lambda: self._multipart(p, data))
+            self._retry(f"multipart upload of {key}", lambda: multipart_upload(self.fs, p, data))
         else:
             self._retry(f"upload of {key}", lambda: self.fs.pipe_file(p, data))
 
@@ -254,35 +198,6 @@ class Store:
             os.replace(tmp, local)
         finally:
             tmp.unlink(missing_ok=True)
-
-    def _multipart(self, path: str, data: bytes) -> None:
-        from fsspec.asyn import sync
-
-        bucket, _, key = path.partition("/")
-        sync(self.fs.loop, self._multipart_async, bucket, key, data)
-
-    async def _multipart_async(self, bucket: str, key: str, data: bytes) -> None:
-        fs = self.fs
-        mpu = await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)
-        upload_id = mpu["UploadId"]
-        sem = asyncio.Semaphore(PARALLEL_PARTS)
-
-        async def part(n: int, start: int) -> dict:
-            async with sem:
-                body = data[start : start + PART_BYTES]
-                r = await fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=n,
-                                      Body=body)
-                return {"PartNumber": n, "ETag": r["ETag"]}
-
-        try:
-            parts = await asyncio.gather(*(part(i + 1, off) for i, off in enumerate(range(0, len(data), PART_BYTES))))
-            await fs._call_s3(
-                "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
-                MultipartUpload={"Parts": sorted(parts, key=lambda p: p["PartNumber"])},
-            )
-        except BaseException:
-            await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-            raise
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """Read an object, or the byte range [start, end) of it."""
