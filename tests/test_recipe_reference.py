@@ -14,7 +14,7 @@ from pydantic_core import PydanticUndefined
 
 from eagle_jobs import recipe as recipe_mod
 from eagle_jobs.errors import BadInput
-from eagle_jobs.recipe import Recipe, default_aux_layer_ids
+from eagle_jobs.recipe import Recipe, default_aux_layer_ids, sections
 from eagle_jobs.recipe_file import load_recipe
 from eagle_jobs.recipe_view import REFERENCE_PATH, reference_markdown, undescribed_settings
 
@@ -90,10 +90,10 @@ def test_num_layers_in_any_form_the_schema_takes_derives_the_aux_layers(tmp_path
 def test_backends_default_to_vllm_where_it_is_installed(monkeypatch):
     base = {"name": "x", "verifier": {"model": "org/m", "num_layers": 8}, "prompts": {"source": "p.jsonl"}}
     monkeypatch.delenv("EAGLE_JOBS_VLLM_ENDPOINT", raising=False)
-    monkeypatch.setattr(recipe_mod, "vllm_installed", lambda: True)
+    monkeypatch.setattr(sections, "vllm_installed", lambda: True)
     r = Recipe.model_validate(base)
     assert (r.capture.backend, r.extract.backend, r.evaluate.backend) == ("vllm",) * 3
-    monkeypatch.setattr(recipe_mod, "vllm_installed", lambda: False)
+    monkeypatch.setattr(sections, "vllm_installed", lambda: False)
     r = Recipe.model_validate(base)
     assert (r.capture.backend, r.extract.backend, r.evaluate.backend) == ("transformers",) * 3
     # a worker beside the pod's vLLM sidecar reaches vLLM without having it installed

@@ -1,4 +1,4 @@
-"""A recipe file as every command reads it: YAML, checked by the schema (eagle_jobs/recipe.py), with the values
+"""A recipe file as every command reads it: YAML, checked by the schema (eagle_jobs/recipe/), with the values
 the schema derives from the verifier's config filled in.
 
 Apart from the schema because the derivation reads the verifier's config (eagle_jobs/verifier.py), which itself

@@ -81,7 +81,7 @@ def _cell(text: str) -> str:
 def reference_markdown() -> str:
     """docs/RECIPE.md: every key of a recipe with its type, default, bounds and meaning."""
     out = ["# Recipe reference", "",
-           "Generated from the schema (src/eagle_jobs/recipe.py) by `eagle-jobs recipe reference`; "
+           "Generated from the schema (src/eagle_jobs/recipe/) by `eagle-jobs recipe reference`; "
            "tests/test_recipe_reference.py keeps the two equal. A recipe states only what differs from these "
            "defaults: `eagle-jobs recipe show --recipe jobs/<name>.yaml` prints one resolved, with the values "
            "derived from its verifier, and `eagle-jobs recipe check` checks one without starting anything.", ""]
