@@ -195,6 +195,7 @@ def test_a_pod_sidecar_measures_the_speed_surface_and_the_baseline(evaluated, tm
 
     from eagle_jobs.evaluate.run import run_evaluate
     from eagle_jobs.evaluate.speed import SPEED_NOTE
+    from eagle_jobs.vllm_server import _listener_names
 
     recipe, st, own = evaluated
     recipe_file = tmp_path / "recipe.yaml"
@@ -219,6 +220,8 @@ def test_a_pod_sidecar_measures_the_speed_surface_and_the_baseline(evaluated, tm
               if "serving plan " in line]
     assert served == ["draft-k3", "untrained-k3", "draft-k1", "no-draft"], log.read_text()[-3000:]
     assert sidecar.returncode == 128 + signal.SIGTERM
+    # the pod ending stops the last server whole: nothing is left listening on its port
+    assert not _listener_names(recipe.evaluate.vllm.port), _listener_names(recipe.evaluate.vllm.port)
     assert report["speedup_note"] == SPEED_NOTE and report["serving"]["by_level"]
     for name in ("validation", "other"):
         x, o = report["prompt_sets"][name], own["prompt_sets"][name]
