@@ -10,28 +10,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 from eagle_jobs.errors import BadInput, NotReady
 from eagle_jobs.layout import StageName, train_dir
-from eagle_jobs.records import Row, Split
+from eagle_jobs.records import ExtractionInfo, Row, RowRef
 from eagle_jobs.store import Stage, Store, nearby_runs
-
-
-class RowRef(NamedTuple):
-    """What planning needs of one capture row, and where its bytes are: never its tokens.
-
-    A pod keeps one of these per row of the corpus (about 0.3 KB in Python: `benchmarks/scale`), and
-    reads a row's tokens (`load_rows`) only for the shard it is working on, so its memory follows its
-    shard, not the corpus (52 bytes per token as Row objects: 74 GiB at the Kimi recipe's 600 k rows)."""
-
-    row_id: str
-    split: Split
-    num_tokens: int
-    loss_tokens: int
-    shard: str  # the capture shard: data/<shard>.jsonl
-    start: int  # the row's line in it: bytes [start, start + length)
-    length: int
 
 
 def _index_entry(r: Row, start: int, length: int) -> list:
@@ -124,7 +107,7 @@ def read_rows(store: Store, run_id: str, require_complete: bool = True) -> list[
     return sorted(rows, key=lambda r: r["row_id"])
 
 
-def extraction_info(store: Store, run_id: str) -> dict:
+def extraction_info(store: Store, run_id: str) -> ExtractionInfo:
     """What the train/evaluate stages need to know about a committed extraction."""
     stage = Stage(store, run_id, StageName.EXTRACT.dir)
     if not stage.is_complete():

@@ -6,10 +6,11 @@ that one stage writes and another reads is spelled, and checked, in one place.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, TypedDict
+from typing import TYPE_CHECKING, Literal, NamedTuple, NotRequired, Protocol, TypedDict
 
 if TYPE_CHECKING:
     import torch
+
 
 Split = Literal["train", "validation"]
 
@@ -69,6 +70,33 @@ class Extracted(NamedTuple):
 
     states: dict[str, RowStates]
     problems: dict[str, str]
+
+
+class RowRef(NamedTuple):
+    """What planning needs of one capture row, and where its bytes are: never its tokens.
+
+    A pod keeps one of these per row of the corpus (about 0.3 KB in Python: `benchmarks/scale`), and
+    reads a row's tokens (`load_rows`) only for the shard it is working on, so its memory follows its
+    shard, not the corpus (52 bytes per token as Row objects: 74 GiB at the Kimi recipe's 600 k rows)."""
+
+    row_id: str
+    split: Split
+    num_tokens: int
+    loss_tokens: int
+    shard: str  # the capture shard: data/<shard>.jsonl
+    start: int  # the row's line in it: bytes [start, start + length)
+    length: int
+
+
+class ExtractionInfo(TypedDict):
+    """What train and evaluate know of an extraction: committed.extraction_info reads it from the committed
+    shards; a streamed trainer (train.source stream) builds it from the recipe while extraction runs."""
+
+    manifests: list[dict]  # the extraction's shard manifests (none yet when streamed)
+    layer_ids: list[int]  # the stored layers: the aux layers, then the last one
+    hidden_size: int
+    storage: str  # bfloat16 or fp8 (eagle_jobs.hsformat)
+    rows: NotRequired[list[RowRef]]  # streamed: the capture rows, read once (committed.row_index)
 
 
 class Advance(Protocol):

@@ -31,6 +31,7 @@ from eagle_jobs.errors import BadInput
 from eagle_jobs.hsformat import decode_sample
 from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console
+from eagle_jobs.records import ExtractionInfo
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.train.stream_feed import StreamFeed, first_worker_count, stream_groups, wait_committed
 
@@ -264,7 +265,8 @@ def _count_tokens(manifests: list[dict], store: Store, run_id: str) -> Counter:
     return freq
 
 
-def vocab_mapping(info: dict, store: Store, run_id: str, shape: DraftShape, work: Path | None = None) -> tuple:
+def vocab_mapping(info: ExtractionInfo, store: Store, run_id: str, shape: DraftShape,
+                  work: Path | None = None) -> tuple:
     """speculators' d2t/t2d from the loss-masked token counts, and the share of target tokens it covers."""
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
@@ -286,7 +288,7 @@ class TrainData:
     feed: StreamFeed | None = None  # train.source stream: what the window needs from training
 
     @classmethod
-    def create(cls, recipe: Recipe, store: Store, run_id: str, info: dict, shape: DraftShape, work: Path,
+    def create(cls, recipe: Recipe, store: Store, run_id: str, info: ExtractionInfo, shape: DraftShape, work: Path,
                hs_dtype: torch.dtype) -> TrainData:
         from speculators.models.eagle3.data import shift_batch
         from speculators.train.dataloader import _setup_dataloader
@@ -321,7 +323,7 @@ class TrainData:
 
 
     @classmethod
-    def streamed(cls, recipe: Recipe, store: Store, run_id: str, info: dict, shape: DraftShape, work: Path,
+    def streamed(cls, recipe: Recipe, store: Store, run_id: str, info: ExtractionInfo, shape: DraftShape, work: Path,
                  hs_dtype: torch.dtype) -> TrainData:
         """train.source stream: the stream's shards (eagle_jobs.stream), batched in commit order."""
         from speculators.models.eagle3.data import shift_batch

@@ -31,6 +31,7 @@ from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
 from eagle_jobs.layout import StageName, train_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
+from eagle_jobs.records import ExtractionInfo
 from eagle_jobs.settings import settings
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.train.checkpoints import (
@@ -90,7 +91,7 @@ def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None =
     return record
 
 
-def check_extraction(recipe: Recipe, store: Store, run_id: str) -> tuple[dict, PretrainedConfig, DraftShape]:
+def check_extraction(recipe: Recipe, store: Store, run_id: str) -> tuple[ExtractionInfo, PretrainedConfig, DraftShape]:
     """The committed extraction's info, the verifier's text config and the draft shape, checked against each other."""
     tcfg = text_config(load_config(recipe.verifier))
     if recipe.train.source == "stream":  # extraction is still going on: its layout is the recipe's
@@ -100,8 +101,8 @@ def check_extraction(recipe: Recipe, store: Store, run_id: str) -> tuple[dict, P
         rows = row_index(store, run_id)  # what extraction plans the stream from; read once, kept in info
         storage = resolve_storage(recipe.extract.storage_dtype, sum(r.num_tokens for r in rows), len(layer_ids),
                                   hidden, recipe.extract.fp8_above_bytes)
-        info: dict = {"manifests": [], "storage": storage, "hidden_size": hidden, "layer_ids": layer_ids,
-                      "rows": rows}
+        info: ExtractionInfo = {"manifests": [], "storage": storage, "hidden_size": hidden, "layer_ids": layer_ids,
+                                "rows": rows}
     else:
         info = extraction_info(store, run_id)
     shape = resolve_shape(recipe, tcfg)
@@ -160,7 +161,7 @@ class TrainRun:
         return self.work / "checkpoints"
 
 
-def train_record(run: TrainRun, info: dict, shape: DraftShape, rank: RankSetup, data: TrainData,
+def train_record(run: TrainRun, info: ExtractionInfo, shape: DraftShape, rank: RankSetup, data: TrainData,
                  params: dict, coverage: float) -> dict:
     """train_config.json: what this draft was trained on and with (docs/FORMAT.md)."""
     from speculators.train.distributed import get_world_size
