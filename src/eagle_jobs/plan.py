@@ -22,6 +22,7 @@ from eagle_jobs.hsformat import bytes_per_token, resolve_storage
 from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import DraftSpec, Recipe
+from eagle_jobs.records import Plan, StagePlan
 
 
 def human_bytes(n: float, unit: str = "B") -> str:
@@ -129,7 +130,7 @@ def untrained_draft_bytes(shape, params: dict) -> int:
     return 2 * params["total"] + 2 * 2 * shape.verifier_vocab_size * shape.hidden_size
 
 
-def make_plan(recipe: Recipe) -> dict:
+def make_plan(recipe: Recipe) -> Plan:
     tcfg = verifier_text_config(recipe)
     shape = resolve_shape(recipe, tcfg)
     convs, gens, prompt_toks = _prompt_stats(recipe)
@@ -170,18 +171,18 @@ def make_plan(recipe: Recipe) -> dict:
             passes, train_s = t.epochs, t.epochs * max(extract_s, epoch_s)
         else:
             train_s = max(extract_s, epoch_s) + (t.epochs - 1) * epoch_s
-    stages = {
-        "capture": {"time_s": gens * gen_toks / (tp.capture_tokens_per_s * tp.capture_nodes),
-                    "objects": 2 * capture_shards + 2, "write_bytes": tokens * 8, "read_bytes": 0},
-        "extract": {"time_s": passes * extract_s, "objects": 2 * passes * extract_shards + 2,
-                    "write_bytes": passes * hs, "read_bytes": passes * tokens * 8},
-        "train": {"time_s": train_s,
-                  "objects": 2 * (t.epochs + 1) + 1, "write_bytes": ckpt * t.epochs, "read_bytes": staged_reads},
-        "evaluate": {"time_s": eval_tokens / tp.eval_tokens_per_s, "objects": 8 if ev.backend == "vllm" else 7,
-                     "write_bytes": 1e6, "read_bytes": params["total"] * 2},
+    # (time_s, objects, write_bytes, read_bytes) of each stage
+    costs = {
+        "capture": (gens * gen_toks / (tp.capture_tokens_per_s * tp.capture_nodes), 2 * capture_shards + 2,
+                    tokens * 8, 0),
+        "extract": (passes * extract_s, 2 * passes * extract_shards + 2, passes * hs, passes * tokens * 8),
+        "train": (train_s, 2 * (t.epochs + 1) + 1, ckpt * t.epochs, staged_reads),
+        "evaluate": (eval_tokens / tp.eval_tokens_per_s, 8 if ev.backend == "vllm" else 7, 1e6, params["total"] * 2),
     }
-    for name, st in stages.items():
-        st["deadline_floor_s"] = deadline_floor_s(st["time_s"], server_load_s(recipe, name))
+    stages: dict[str, StagePlan] = {
+        name: {"time_s": time_s, "objects": objects, "write_bytes": write, "read_bytes": read,
+               "deadline_floor_s": deadline_floor_s(time_s, server_load_s(recipe, name))}
+        for name, (time_s, objects, write, read) in costs.items()}
     return {"conversations": convs, "samples": gens, "tokens": tokens, "tokens_per_sample": seq,
             "hidden_state_bytes": {"bfloat16": hs_bf16, "fp8": hs_fp8}, "stored_layers": n_layers, "storage": storage,
             "draft_shape": shape.describe(), "draft_parameters": params, "gpus_for_training": gpus,
@@ -198,7 +199,7 @@ def _why_storage(recipe: Recipe) -> str:
     return f" (extract.storage_dtype auto: fp8 above {human_bytes(x.fp8_above_bytes)} in bf16)"
 
 
-def print_plan(recipe: Recipe, store=None, run_id: str | None = None, as_json: bool = False) -> dict:
+def print_plan(recipe: Recipe, store=None, run_id: str | None = None, as_json: bool = False) -> Plan:
     p = make_plan(recipe)
     if store is not None:
         from eagle_jobs.prompts import load_prompt_index

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from eagle_jobs.hsformat import storage_for
 from eagle_jobs.plan import duration_text, human_bytes, make_plan
 from eagle_jobs.recipe import Recipe, Throughputs
+from eagle_jobs.records import Plan
 
 SCALE_MODES = {
     "stored": "today: extraction writes the whole corpus before training starts, training re-reads it every epoch",
@@ -85,7 +86,7 @@ def parse_scales(text: str) -> list[int]:
     return out
 
 
-def scale_basis(recipe: Recipe, plan: dict) -> ScaleBasis:
+def scale_basis(recipe: Recipe, plan: Plan) -> ScaleBasis:
     t = recipe.train
     window = recipe.store.window_bytes or recipe.plan.stream_window_bytes
     return ScaleBasis(samples_per_conversation=plan["samples"] / plan["conversations"],

@@ -99,6 +99,38 @@ class ExtractionInfo(TypedDict):
     rows: NotRequired[list[RowRef]]  # streamed: the capture rows, read once (committed.row_index)
 
 
+class StagePlan(TypedDict):
+    """One stage of `eagle-jobs plan`: its time at the recipe's stated rates, store objects and bytes, and the
+    activeDeadlineSeconds it needs at least (plan.deadline_floor_s)."""
+
+    time_s: float
+    objects: int
+    write_bytes: float
+    read_bytes: float
+    deadline_floor_s: int
+
+
+class Plan(TypedDict):
+    """`eagle-jobs plan --json`: what a recipe costs (eagle_jobs.plan.make_plan); `reuse` with --store."""
+
+    conversations: int
+    samples: int
+    tokens: int
+    tokens_per_sample: float  # mean prompt tokens plus max_new_tokens, within limits.max_seq_len
+    hidden_state_bytes: dict[str, int]  # the corpus's hidden states in bfloat16 and in fp8
+    stored_layers: int
+    storage: str  # what extract.storage_dtype resolves to for this corpus
+    draft_shape: str
+    draft_parameters: dict[str, int]  # trainable, total, saved
+    gpus_for_training: int
+    train_checkpoint: dict[str, float]  # bytes, save_s
+    untrained_draft_bytes: int  # the peak of building evaluate's untrained draft
+    stages: dict[str, StagePlan]
+    total_time_s: float
+    total_objects: int
+    reuse: NotRequired[dict]
+
+
 class Advance(Protocol):
     def __call__(self, rows: int, tokens: int) -> None: ...
 
