@@ -82,12 +82,24 @@ def _read_json(path: Path) -> dict | None:
 
 
 # -- the sidecar ------------------------------------------------------------------------------------
-def _start(plan: dict) -> subprocess.Popen:
+def _resolved(plan: dict) -> tuple[str, list[str], dict[str, str]]:
+    """The plan's executable, argv and environment, as the sidecar runs it."""
     argv = list(plan["argv"])
     exe = executable(argv[0])
     if exe is None:
         raise Unavailable("vllm is not installed in this image: the vLLM sidecar runs it")
-    return subprocess.Popen([exe, *argv[1:]], env={**os.environ, **plan["env"]}, stdin=subprocess.DEVNULL,
+    return exe, argv, {**os.environ, **plan["env"]}
+
+
+def exec_plan(plan: dict) -> None:
+    """Become the plan's `vllm serve` (a file of one plan, or `serve-vllm` without --write)."""
+    exe, argv, env = _resolved(plan)
+    os.execve(exe, argv, env)
+
+
+def _start(plan: dict) -> subprocess.Popen:
+    exe, argv, env = _resolved(plan)
+    return subprocess.Popen([exe, *argv[1:]], env=env, stdin=subprocess.DEVNULL,
                             start_new_session=True,  # its own process group: stopped as one
                             preexec_fn=die_with_parent)  # noqa: PLW1509 - the sidecar starts no threads
 
@@ -131,10 +143,9 @@ def supervise(plans_file: Path, grace_s: float = GUARD_GRACE_S) -> int:
         _write_json(state_path(plans_file), {"id": request["id"], "plan": name, "pid": server.pid})
         print(f"eagle-jobs exec-vllm: serving plan {name} (pid {server.pid})", file=sys.stderr, flush=True)
         new = _next_request(plans_file, request, lambda s=server: bool(stopping) or s.poll() is not None)
-        if new is None and not stopping:  # the server ended on its own
-            _stop(server, grace_s)
-            return server.returncode if server.returncode >= 0 else 128 - server.returncode
         _stop(server, grace_s)
+        if new is None and not stopping:  # the server ended on its own
+            return server.returncode if server.returncode >= 0 else 128 - server.returncode
         request = new or request
     return 128 + signal.SIGTERM
 

@@ -19,7 +19,6 @@ from eagle_jobs.cli.app import (
     app,
     context,
 )
-from eagle_jobs.errors import Unavailable
 
 
 @app.command("serve-vllm", hidden=True, epilog=EXIT_CODES)
@@ -37,7 +36,7 @@ def serve_vllm(recipe: RecipeOpt,
     """
     from eagle_jobs.serve_plans import stage_plans
     from eagle_jobs.vllm_server import with_shutdown_timeout
-    from eagle_jobs.vllm_switch import PreparedPlans
+    from eagle_jobs.vllm_switch import PreparedPlans, exec_plan
 
     r, st, rid = context(recipe, store, run_id)
     plans = stage_plans(r, stage, st, rid, shard_index)
@@ -53,7 +52,7 @@ def serve_vllm(recipe: RecipeOpt,
     elif write is not None:
         PreparedPlans(prepared, first).write(write)
     else:
-        _exec(prepared[first]["argv"], prepared[first]["env"])
+        exec_plan(prepared[first])
 
 
 @app.command("guard", hidden=True)
@@ -70,19 +69,9 @@ def guard_run(jobset: Annotated[str, typer.Option(envvar="JOBSET_NAME", help="th
 def exec_vllm(command_file: Annotated[Path, typer.Argument(help="what `serve-vllm --write` wrote")]):
     """The pod's vLLM sidecar: exec the prepared `vllm serve` command, with nothing left to check; of several
     (evaluate), serve the one the worker asks for (eagle_jobs.vllm_switch)."""
-    from eagle_jobs.vllm_switch import PreparedPlans, supervise
+    from eagle_jobs.vllm_switch import PreparedPlans, exec_plan, supervise
 
     prepared = PreparedPlans.read(command_file)
     if len(prepared.plans) > 1:
         raise typer.Exit(supervise(command_file))
-    only = prepared.plans[prepared.first]
-    _exec(only["argv"], only["env"])
-
-
-def _exec(cmd: list[str], env: dict[str, str]) -> None:
-    from eagle_jobs.vllm_server import executable
-
-    exe = executable(cmd[0])
-    if exe is None:
-        raise Unavailable("vllm is not installed in this image: the vLLM sidecar runs it")
-    os.execve(exe, cmd, {**os.environ, **env})
+    exec_plan(prepared.plans[prepared.first])
