@@ -15,7 +15,8 @@ import yaml
 
 from eagle_jobs.errors import BadInput, ExitCode
 from eagle_jobs.recipe_file import load_recipe, recipe_from_text
-from eagle_jobs.store import Store, resolve_ref
+from eagle_jobs.store import Store
+from eagle_jobs.store_refs import resolve_ref
 
 REPO = Path(__file__).resolve().parents[1]
 KIMI = REPO / "jobs/kimi-k2.5.yaml"

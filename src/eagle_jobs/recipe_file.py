@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from eagle_jobs.errors import BadInput
 from eagle_jobs.recipe import Recipe, StoreSpec, VerifierSpec, default_aux_layer_ids, error_location
 from eagle_jobs.settings import settings
-from eagle_jobs.store import resolve_ref
+from eagle_jobs.store_refs import resolve_ref
 
 # (section, key) pairs that may hold a store:<key> reference; evaluate.prompt_sets' values are resolved too
 _REFS = (("verifier", "weights"), ("prompts", "source"))

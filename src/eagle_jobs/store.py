@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from eagle_jobs.errors import BadInput, StoreError
+from eagle_jobs.errors import StoreError
 from eagle_jobs.store_s3 import (
     MULTIPART_THRESHOLD,
     RETRIES,
@@ -41,9 +41,9 @@ from eagle_jobs.store_s3 import (
 
 T = TypeVar("T")
 
-# Objects above this go up as a multipart upload with parts sent in parallel.
 GET_BATCH = 256  # objects read concurrently by Store.get_many
 MANY_MANIFESTS = 2000  # Stage.manifests says when it reads this many
+
 
 def nearby_runs(items: Sequence[T], span: Callable[[T], tuple[int, int]], max_gap: int) -> Iterator[list[T]]:
     """`items` sorted by start and cut into runs whose neighbours are at most `max_gap` bytes apart (span:
@@ -61,35 +61,6 @@ def nearby_runs(items: Sequence[T], span: Callable[[T], tuple[int, int]], max_ga
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-# A recipe or a command names an object of the run's own store as store:<key> (store:models/<org>/<name>/
-# <revision>, store:prompts/<file>.jsonl, store:drafts/<name>): the bucket is then written once, as the store
-# setting ($EAGLE_JOBS_STORE, --store, or the recipe's store.uri), and every reference follows it.
-STORE_REF = "store:"
-
-
-def normalized_uri(uri: str) -> str:
-    """A store URI as Store.open names it: a bare or file:// path made absolute, no trailing '/'."""
-    if "://" not in uri:
-        uri = "file://" + uri
-    protocol, _, rest = uri.partition("://")
-    if protocol == "file":
-        return "file://" + str(Path(rest).absolute()).rstrip("/")
-    return uri.rstrip("/")
-
-
-def resolve_ref(value: str, store_uri: str | None) -> str:
-    """`value` with a store:<key> reference turned into <store>/<key>; anything else as it is."""
-    if not value.startswith(STORE_REF):
-        return value
-    key = value.removeprefix(STORE_REF).strip("/")
-    if not key or ".." in key.split("/"):
-        raise BadInput(f"'{value}' names no object of the store: write store:<key>, e.g. store:models/<name>")
-    if not store_uri:
-        raise BadInput(f"'{value}' is a store reference and no store is set: pass --store or set "
-                         "$EAGLE_JOBS_STORE (s3://<bucket> or file://<dir>)")
-    return f"{normalized_uri(store_uri)}/{key}"
 
 
 @dataclass(frozen=True)

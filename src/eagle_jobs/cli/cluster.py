@@ -118,7 +118,7 @@ def reconcile(to: Annotated[str, typer.Option("--to", help="store:drafts/<name>,
     Example: eagle-jobs reconcile --to store:drafts/kimi-k2.5 --prefix ci-  (with $EAGLE_JOBS_STORE set)
     """
     from eagle_jobs.promote import reconcile as do_reconcile
-    from eagle_jobs.store import resolve_ref
+    from eagle_jobs.store_refs import resolve_ref
 
     st = store_or_none(store)
     if st is None:
@@ -147,7 +147,7 @@ def promote(ctx: typer.Context, to: Annotated[str, typer.Option("--to", help="st
     Example: eagle-jobs promote --run-id demo --store file://./store --to store:drafts/demo
     """
     from eagle_jobs.promote import promote as do_promote
-    from eagle_jobs.store import resolve_ref
+    from eagle_jobs.store_refs import resolve_ref
 
     run_id = one_run_id(ctx, run, run_id)
     st = store_or_none(store)

@@ -192,7 +192,7 @@ def prompts_build(
     is written), 4 when the store cannot be used.
     """
     from eagle_jobs.prompt_mix import build_mix, parse_source
-    from eagle_jobs.store import resolve_ref
+    from eagle_jobs.store_refs import resolve_ref
 
     out = resolve_ref(out, store or settings().store)
     m = build_mix([parse_source(s) for s in source], size, out)
