@@ -154,7 +154,7 @@ def train_arm(args, recipe, store, optimizer: str, work: Path, gpu: bool) -> dic
     from eagle_jobs.checkpoint_check import run_inspect
     from eagle_jobs.committed import download_final
     from eagle_jobs.errors import ExitCode
-    from eagle_jobs.train.launch import run_ranks
+    from eagle_jobs.train.launch import Ranks, run_ranks
     from eagle_jobs.train.run import run_train
 
     recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"optimizer": optimizer})})
@@ -163,7 +163,7 @@ def train_arm(args, recipe, store, optimizer: str, work: Path, gpu: bool) -> dic
         torch.cuda.reset_peak_memory_stats()
     t = time.time()
     if args.ranks:
-        rec = run_ranks(recipe, store, "gpu", args.steps, work / "w" / optimizer, args.ranks, variant=optimizer)
+        rec = run_ranks(recipe, store, "gpu", args.steps, work / "w" / optimizer, Ranks(args.ranks), variant=optimizer)
     else:
         rec = run_train(recipe, store, "gpu", max_steps=args.steps, work_dir=work / "w", variant=optimizer)
     wall = time.time() - t

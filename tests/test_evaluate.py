@@ -56,7 +56,7 @@ def test_speculative_output_equals_greedy(trained, untrained):
     for text in ["Tell me about the sea #3", "What is two plus two?", "Numbers: 1 2 3"]:
         prompt = _prompt(v, text)
         acc = Acceptance(3)
-        got = speculative_generate(v.model, proposer, [1, 2, 3], prompt, 3, 24, eos, acc)
+        got = speculative_generate(v.model, proposer, [1, 2, 3], prompt, 24, eos, acc)
         with torch.no_grad():
             ref = v.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
                                    eos_token_id=v.tokenizer.eos_token_id, pad_token_id=v.tokenizer.pad_token_id)
@@ -82,11 +82,11 @@ def test_acceptance_counting_with_oracle_and_wrong_drafts(trained):
             return [ref[len(next_ids) + 1] + 1] * k
 
     acc = Acceptance(3)
-    got = speculative_generate(v.model, Oracle(), [1, 2, 3], prompt, 3, 32, set(), acc)
+    got = speculative_generate(v.model, Oracle(), [1, 2, 3], prompt, 32, set(), acc)
     assert got == ref[len(prompt): len(prompt) + 32]
     assert acc.tau == 4.0 and acc.per_position() == [1.0, 1.0, 1.0]
     acc2 = Acceptance(3)
-    speculative_generate(v.model, Wrong(), [1, 2, 3], prompt, 3, 12, set(), acc2)
+    speculative_generate(v.model, Wrong(), [1, 2, 3], prompt, 12, set(), acc2)
     assert acc2.tau == 1.0 and acc2.per_position() == [0.0, 0.0, 0.0] and acc2.rounds == 11
 
 

@@ -94,7 +94,7 @@ def test_the_train_launcher_passes_exactly_these_arguments(monkeypatch, tmp_path
     monkeypatch.setattr(launch.subprocess, "Popen", NoTorchrun)
     recipe = load_recipe(REPO / "jobs/kimi-k2.5.yaml")
     with pytest.raises(EagleJobsError):
-        launch.run_ranks(recipe, Store.open(f"file://{tmp_path}/s"), "r", None, tmp_path / "w", 8, 2)
+        launch.run_ranks(recipe, Store.open(f"file://{tmp_path}/s"), "r", None, tmp_path / "w", launch.Ranks(8, 2))
     (cmd,) = seen
     rdzv = torchrun_rendezvous_args(2, env)
     start = cmd.index("torch.distributed.run") + 1
@@ -132,7 +132,7 @@ def test_a_torchrun_without_shutdown_timeout_gets_no_such_flag(monkeypatch, tmp_
                         lambda cmd, **kw: seen.append(cmd) or type("P", (), {"wait": lambda s: 1})())
     recipe = load_recipe(REPO / "jobs/kimi-k2.5.yaml")
     with pytest.raises(EagleJobsError):
-        launch.run_ranks(recipe, Store.open(f"file://{tmp_path}/s"), "r", None, tmp_path / "w", 1)
+        launch.run_ranks(recipe, Store.open(f"file://{tmp_path}/s"), "r", None, tmp_path / "w", launch.Ranks(1))
     assert "--shutdown_timeout" not in seen[0] and "no --shutdown_timeout" in capsys.readouterr().err
 
 

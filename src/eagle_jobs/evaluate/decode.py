@@ -179,10 +179,12 @@ class Proposer(Protocol):
 
 
 def speculative_generate(verifier, proposer: Proposer, aux_ids: list[int], prompt: list[int],
-                         k: int, max_new: int, eos: set[int], acc: Acceptance) -> list[int]:
-    """Greedy chain speculative decoding; returns the generated ids (stopping at EOS, inclusive)."""
+                         max_new: int, eos: set[int], acc: Acceptance) -> list[int]:
+    """Greedy chain speculative decoding at `acc.k` draft tokens a step (the counter is sized for the k it
+    counts); returns the generated ids (stopping at EOS, inclusive)."""
     from transformers import DynamicCache
 
+    k = acc.k
     model = verifier
     cache = DynamicCache()
     if hasattr(proposer, "reset"):
@@ -235,7 +237,7 @@ def evaluate_transformers(recipe: Recipe, draft_dir: Path, prompts: list[list[di
         for msgs in prompts:
             prompt = prompt_ids(v.tokenizer, msgs, kw)
             before = acc.tokens
-            gen = speculative_generate(v.model, proposer, recipe.aux_layer_ids, prompt, k,
+            gen = speculative_generate(v.model, proposer, recipe.aux_layer_ids, prompt,
                                        max_new or recipe.evaluate.max_new_tokens, eos, acc)
             outputs.append(gen)
             advance(1, acc.tokens - before)

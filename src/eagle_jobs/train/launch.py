@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +29,14 @@ from eagle_jobs.store import Stage, Store
 # for a Kimi-K2.5 draft at a 100 MB/s store), and all of it inside the train pod's
 # terminationGracePeriodSeconds (300 s in k8s/base/pipeline.yaml; tests/test_k8s_preemption.py).
 RANK_SHUTDOWN_TIMEOUT_S = 270
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """How many training ranks torchrun starts: `per_node` on each of `nodes` nodes."""
+
+    per_node: int
+    nodes: int = 1
 
 
 def torchrun_has_shutdown_timeout() -> bool:
@@ -54,11 +63,11 @@ def launch_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | Non
     if torch.cuda.is_available() and torch.cuda.device_count() < t.nproc_per_node:
         raise BadInput(f"train.nproc_per_node is {t.nproc_per_node} but this node has {torch.cuda.device_count()} "
                        f"GPU(s): lower it in the recipe or request {t.nproc_per_node} GPUs")
-    return run_ranks(recipe, store, run_id, max_steps, work, t.nproc_per_node, nnodes, variant)
+    return run_ranks(recipe, store, run_id, max_steps, work, Ranks(t.nproc_per_node, nnodes), variant)
 
 
-def run_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | None, work: Path,
-              nproc_per_node: int, nnodes: int = 1, variant: str | None = None) -> dict:
+def run_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | None, work: Path, ranks: Ranks,
+              variant: str | None = None) -> dict:
     """torchrun with `eagle-jobs train` as each rank (see launch_ranks); the committed record."""
     work.mkdir(parents=True, exist_ok=True)
     recipe_file = work / "recipe.json"
@@ -68,7 +77,7 @@ def run_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | None, 
     exits.mkdir()
     from eagle_jobs.rendezvous import torchrun_rendezvous_args
 
-    args = [*torchrun_rendezvous_args(nnodes, os.environ), "--nproc_per_node", str(nproc_per_node)]
+    args = [*torchrun_rendezvous_args(ranks.nodes, os.environ), "--nproc_per_node", str(ranks.per_node)]
     if torchrun_has_shutdown_timeout():
         args += ["--shutdown_timeout", str(RANK_SHUTDOWN_TIMEOUT_S)]
     else:
@@ -81,7 +90,7 @@ def run_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | None, 
         cmd += ["--max-steps", str(max_steps)]
     if variant is not None:
         cmd += ["--variant", variant]
-    console.print(f"  {nproc_per_node * nnodes} rank(s) on {nnodes} node(s): {' '.join(cmd[1:5])} ...")
+    console.print(f"  {ranks.per_node * ranks.nodes} rank(s) on {ranks.nodes} node(s): {' '.join(cmd[1:5])} ...")
     root = work.parent if variant is None else work.parents[len(Path(train_dir(variant)).parts)]  # <root>/<run>/...
     env = {**os.environ, "EAGLE_JOBS_WORK_DIR": str(root), "EAGLE_JOBS_RANK_EXITS": str(exits)}
     signalled: list[int] = []
