@@ -10,11 +10,39 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 from eagle_jobs.errors import BadInput, NotReady
 from eagle_jobs.layout import StageName, train_dir
-from eagle_jobs.records import ExtractionInfo, Row, RowRef
+from eagle_jobs.records import (
+    CaptureManifest,
+    CheckpointManifest,
+    ExtractionInfo,
+    ExtractManifest,
+    Row,
+    RowRef,
+    SampleEntry,
+)
 from eagle_jobs.store import Stage, Store, nearby_runs
+
+
+# The typed readers of each stage's manifests: its writer commits records.<Stage>Fields on top of the
+# commit's own fields (Stage.commit_shard), so what a reader gets back is that stage's Manifest type.
+def capture_manifests(stage: Stage) -> list[CaptureManifest]:
+    return cast(list[CaptureManifest], stage.manifests())
+
+
+def extract_manifests(stage: Stage, names: list[str] | None = None) -> list[ExtractManifest]:
+    return cast(list[ExtractManifest], stage.manifests(names))
+
+
+def extract_manifest(stage: Stage, shard: str) -> ExtractManifest | None:
+    return cast(ExtractManifest | None, stage.manifest(shard))
+
+
+def checkpoint_manifest(stage: Stage, shard: str) -> CheckpointManifest | None:
+    """A train stage's checkpoint or final/ manifest."""
+    return cast(CheckpointManifest | None, stage.manifest(shard))
 
 
 def _index_entry(r: Row, start: int, length: int) -> list:
@@ -53,7 +81,7 @@ def row_index(store: Store, run_id: str, require_complete: bool = True) -> list[
     alone (read concurrently), except a shard committed without a `row_index`, which is read once."""
     stage = _capture_stage(store, run_id, require_complete)
     refs: list[RowRef] = []
-    for m in stage.manifests():
+    for m in capture_manifests(stage):
         (fname, info), = m["files"].items()
         shard = fname.rsplit(".", 1)[0]
         entries = m.get("row_index")
@@ -112,7 +140,7 @@ def extraction_info(store: Store, run_id: str) -> ExtractionInfo:
     stage = Stage(store, run_id, StageName.EXTRACT.dir)
     if not stage.is_complete():
         raise NotReady(f"extract of run '{run_id}' is not complete in {store.uri}: run `eagle-jobs extract` first")
-    manifests = stage.manifests()
+    manifests = extract_manifests(stage)
     if not manifests:
         raise BadInput(f"extract of run '{run_id}' has no shards")
     ids = {tuple(m["layer_ids"]) for m in manifests}
@@ -122,14 +150,14 @@ def extraction_info(store: Store, run_id: str) -> ExtractionInfo:
             "storage": manifests[0]["storage"]}
 
 
-def read_sample_bytes(store: Store, run_id: str, fname: str, entry: dict) -> bytes:
+def read_sample_bytes(store: Store, run_id: str, fname: str, entry: SampleEntry) -> bytes:
     """One sample's bytes from shard `fname` of the run's extraction: one range read, never the
     whole object (a Kimi-size shard is tens of GB)."""
     key = Stage(store, run_id, StageName.EXTRACT.dir).key(f"data/{fname}")
     return store.get(key, entry["start"], entry["start"] + entry["length"])
 
 
-def read_sample(store: Store, run_id: str, manifest: dict, entry: dict, dtype=None) -> dict:
+def read_sample(store: Store, run_id: str, manifest: ExtractManifest, entry: SampleEntry, dtype=None) -> dict:
     """One decoded hidden-state sample of a shard's manifest, as dtype (default bfloat16). torch is
     imported here, not above: the pod's prepare container reads the final draft through this module."""
     import torch
@@ -153,7 +181,7 @@ def tau_estimate(val: dict, k: int) -> float | None:
 def download_final(store: Store, run_id: str, dest: Path, variant: str | None = None) -> Path:
     """The committed final draft checkpoint as a local directory (for evaluate / inspect / vLLM)."""
     stage = Stage(store, run_id, train_dir(variant))
-    m = stage.manifest("final")
+    m = checkpoint_manifest(stage, "final")
     if m is None:
         what = f"variant '{variant}' of run '{run_id}'" if variant else f"train of run '{run_id}'"
         raise NotReady(f"{what} has no committed final checkpoint in {store.uri}: run `eagle-jobs "

@@ -26,10 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from eagle_jobs.committed import checkpoint_manifest
 from eagle_jobs.errors import BadInput, NotReady
 from eagle_jobs.layout import content_hash, epochs_dir, train_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
+from eagle_jobs.records import CheckpointManifest, Selection, TrainRecord
 from eagle_jobs.settings import settings
 from eagle_jobs.store import Stage, Store
 
@@ -104,7 +106,7 @@ def held_out_prompts(recipe: Recipe, n: int) -> tuple[list[list[dict]], int | No
     return kept["validation"], skipped["validation"]
 
 
-def measurement_key(recipe: Recipe, ckpt: dict, prompts_sha: str) -> str:
+def measurement_key(recipe: Recipe, ckpt: CheckpointManifest, prompts_sha: str) -> str:
     """What one served tau depends on: the checkpoint's served bytes, the prompts, the verifier and the
     evaluate settings that shape generation (not ports or timeouts)."""
     ev = recipe.evaluate
@@ -138,7 +140,7 @@ def train_record(store: Store, run_id: str, variant: str | None) -> dict:
 
 
 # -- serving one epoch --------------------------------------------------------------------------------
-def serve_epoch(recipe: Recipe, train: Stage, ckpt: dict, prompts: list[list[dict]]) -> dict:
+def serve_epoch(recipe: Recipe, train: Stage, ckpt: CheckpointManifest, prompts: list[list[dict]]) -> dict:
     """tau of one epoch checkpoint served on `prompts`, with the recipe's evaluate backend and settings;
     wall_s counts everything that serving it costs: the download, the server's start, the requests."""
     from eagle_jobs.evaluate.decode import evaluate_transformers
@@ -290,15 +292,16 @@ def select_served(recipe: Recipe, store: Store, run_id: str, variant: str | None
     from eagle_jobs.train.checkpoints import epoch_checkpoints, export_final, restore_served
 
     train = Stage(store, run_id, train_dir(variant))
-    final = train.manifest("final")
+    final = checkpoint_manifest(train, "final")
     if final is not None and final.get("selected_by") == "served" and train.is_committed("final"):
         return f"skipped (committed: epoch {final['epoch']})"
     check_servable(recipe)
     record = keep_train_record(store, run_id, variant)
     report = rank_epochs(recipe, store, run_id, variant, num_prompts)
-    best, cfg = report["best_served_epoch"], record["train_config"]
+    best = report["best_served_epoch"]
+    cfg: TrainRecord = record["train_config"]
     served = {str(r["epoch"]): r["served_tau"] for r in report["epochs"]}
-    selection = {
+    selection: Selection = {
         "epoch": best, "selected_by": "served",
         "by": f"the highest tau vLLM served on {report['num_prompts']} held-out prompts, one server per epoch "
               "checkpoint (train.select_by: served); among equals the better estimate, then the earliest",
@@ -315,6 +318,6 @@ def select_served(recipe: Recipe, store: Store, run_id: str, variant: str | None
                      meta={"selected_by": "served"})
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    was = (cfg.get("selection") or {}).get("epoch")
+    was = sel["epoch"] if (sel := cfg.get("selection")) else None
     console.print(f"  final/ is epoch {best} (served tau {served[str(best)]:.3f}); the estimate chose epoch {was}")
     return f"epoch {best} (estimate: {was})"

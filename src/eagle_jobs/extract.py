@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -28,7 +28,16 @@ from eagle_jobs.hsformat import Sample, bytes_per_token, encode_shard, resolve_s
 from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.recipe import Recipe
-from eagle_jobs.records import Advance, Extracted, HiddenStateBackend, Row, RowStates, Skipped
+from eagle_jobs.records import (
+    Advance,
+    Extracted,
+    ExtractFields,
+    HiddenStateBackend,
+    Row,
+    RowStates,
+    SampleEntry,
+    Skipped,
+)
 from eagle_jobs.serve_plans import extract_plan, extract_scratch
 from eagle_jobs.sharding import ShardWorker, plan_shards
 from eagle_jobs.store import Stage, Store
@@ -388,12 +397,13 @@ def _pack_and_commit(recipe, stage: Stage, name: str, rows: list[Row], got: Extr
         e["prompt_index"] = r["prompt_index"]
         e["loss_tokens"] = int(sum(r["loss_mask"]))
     tokens = sum(e["num_tokens"] for e in index)
-    stage.commit_shard(name, {f"{name}.safetensors": blob}, {
+    fields: ExtractFields = {
         "format": "eagle-jobs/hidden-states/v1", "storage": recipe.extract.storage_dtype,
-        "layer_ids": layer_ids, "hidden_size": hidden, "samples": index, "skipped": skipped,
+        "layer_ids": layer_ids, "hidden_size": hidden, "samples": cast(list[SampleEntry], index), "skipped": skipped,
         "verifier": recipe.verifier.model, "tokens": tokens,
         "settings_digest": extract_digest(recipe),
-    })
+    }
+    stage.commit_shard(name, {f"{name}.safetensors": blob}, fields)
     console.print(f"  committed {name}: {len(index)} samples, {tokens:,} tokens, "
                   f"{len(blob) / 2**20:,.1f} MiB", soft_wrap=True, markup=False, highlight=False)
     return skipped

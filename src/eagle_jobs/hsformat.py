@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle_jobs.records import SampleEntry
+
 FORMAT = "eagle-jobs/hidden-states/v1"
 FP8_MAX = 448.0  # float8_e4m3fn
 
@@ -112,7 +114,8 @@ def encode_shard(samples: list[Sample], layer_ids: list[int], storage: str) -> t
     return prefix + b"".join(chunks), index
 
 
-def decode_sample(buf: bytes | bytearray, entry: dict, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+def decode_sample(buf: bytes | bytearray, entry: SampleEntry,
+                  dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """One sample from its byte range: hidden_states [T, L, H] in `dtype`, token_ids, loss_mask.
 
     Decoded in place: the tensors share the buffer's memory, so a bytearray costs no copy of a

@@ -99,9 +99,10 @@ def _training_png(report: EvalReport, metrics: list[dict]) -> bytes:
     ax2.set_title("accuracy per draft step, teacher forced\n(EMA; dots: held-out, per epoch)", fontsize=9)
     ax2.set(xlabel="step", ylim=(0, 1))
     ax2.legend(fontsize=7)
-    sel = (report.get("train") or {}).get("selection") or {}
-    per_epoch = {int(e): v for e, v in (sel.get("per_epoch") or {}).items()}
-    if per_epoch:
+    summary = report.get("train")
+    sel = summary.get("selection") if summary else None
+    per_epoch = {int(e): v for e, v in (sel.get("per_epoch") or {}).items()} if sel else {}
+    if sel and per_epoch:
         ax3.plot(list(per_epoch), list(per_epoch.values()), marker="o")
         ax3.plot([sel["epoch"]], [per_epoch[sel["epoch"]]], marker="*", markersize=14, color="tab:red",
                  label=f"exported: epoch {sel['epoch']}")

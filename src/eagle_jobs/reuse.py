@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from eagle_jobs.layout import StageName, content_hash
 from eagle_jobs.recipe import Recipe, VllmServerSpec
-from eagle_jobs.records import Row
+from eagle_jobs.records import ExtractManifest, FileEntry, Row, SampleEntry
 from eagle_jobs.store import Stage, Store
 
 CACHED_SHARDS = 16  # another run's capture shards CaptureIndex keeps parsed: memory of a few shards
@@ -82,7 +82,7 @@ class CaptureIndex:
     """prompt sha256 -> (run, shard file, manifest file info) of committed rows with the same settings."""
 
     store: Store = field(repr=False, compare=False)
-    where: dict[str, tuple[str, str, dict]] = field(default_factory=dict)
+    where: dict[str, tuple[str, str, FileEntry]] = field(default_factory=dict)
     _cache: dict[tuple[str, str], list[Row]] = field(default_factory=dict)
 
     @classmethod
@@ -111,7 +111,7 @@ class CaptureIndex:
 class HiddenStateIndex:
     """token-ids sha256 -> (run, manifest, sample entry) of committed samples with the same settings."""
 
-    where: dict[str, tuple[str, dict, dict]] = field(default_factory=dict)
+    where: dict[str, tuple[str, ExtractManifest, SampleEntry]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, store: Store, recipe: Recipe, run_id: str) -> "HiddenStateIndex":

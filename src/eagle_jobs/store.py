@@ -21,14 +21,15 @@ import random
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import fsspec
 
 from eagle_jobs.errors import StoreError
+from eagle_jobs.records import FileEntry, Manifest
 from eagle_jobs.store_s3 import (
     MULTIPART_THRESHOLD,
     RETRIES,
@@ -277,18 +278,18 @@ class Stage:
         return f"{self.prefix}/{rel}"
 
     # shards ---------------------------------------------------------------------
-    def commit_shard(self, shard: str, objects: dict[str, bytes], meta: dict) -> dict:
+    def commit_shard(self, shard: str, objects: dict[str, bytes], meta: Mapping[str, Any]) -> Manifest:
         """Write the shard's objects, then its manifest: the manifest is the commit."""
-        files = {}
+        files: dict[str, FileEntry] = {}
         for fname, data in objects.items():
             self.store.put(self.key(f"data/{fname}"), data)
             files[fname] = {"size": len(data), "sha256": sha256(data)}
-        manifest = {"shard": shard, "stage": self.name, "run_id": self.run_id, "files": files,
-                    "committed_at": time.time(), **meta}
+        manifest = cast(Manifest, {"shard": shard, "stage": self.name, "run_id": self.run_id, "files": files,
+                                   "committed_at": time.time(), **meta})
         self.store.put_json(self.key(f"manifests/{shard}.json"), manifest)
         return manifest
 
-    def manifest(self, shard: str) -> dict | None:
+    def manifest(self, shard: str) -> Manifest | None:
         try:
             return self.store.get_json(self.key(f"manifests/{shard}.json"))
         except FileNotFoundError:
@@ -309,7 +310,7 @@ class Stage:
         return [k.rsplit("/", 1)[1].removesuffix(".json") for k in self.store.list(self.key("manifests"))
                 if k.endswith(".json")]
 
-    def manifests(self, names: list[str] | None = None) -> list[dict]:
+    def manifests(self, names: list[str] | None = None) -> list[Manifest]:
         """The manifests of `names` (default: every committed shard), read concurrently; the stage's
         heartbeat beats between batches, so a worker reading a whole run's manifests stays alive."""
         from eagle_jobs.heartbeat import beat
@@ -330,12 +331,12 @@ class Stage:
         data = {k.rsplit("/", 1)[1].split(".", 1)[0] for k in self.store.list(self.key("data"))}
         return {n for n in self.manifest_names() if n in data}
 
-    def read(self, fname: str, verify: dict | None = None) -> bytes:
+    def read(self, fname: str, verify: FileEntry | None = None) -> bytes:
         data = self.store.get(self.key(f"data/{fname}"))
         self._check(fname, data, verify)
         return data
 
-    def read_many(self, files: Sequence[tuple[str, dict]]) -> list[bytes]:
+    def read_many(self, files: Sequence[tuple[str, FileEntry]]) -> list[bytes]:
         """The data objects of `files` ((name, manifest file info) each), read together, each checked as `read`
         checks it."""
         got = self.store.get_many([self.key(f"data/{f}") for f, _ in files])
@@ -349,12 +350,12 @@ class Stage:
             out.append(data)
         return out
 
-    def _check(self, fname: str, data: bytes, verify: dict | None) -> None:
+    def _check(self, fname: str, data: bytes, verify: FileEntry | None) -> None:
         if verify is not None and sha256(data) != verify["sha256"]:
             raise StoreError(f"store {self.store.url(self.key('data/' + fname))}: "
                              "sha256 mismatch with its manifest; rerun the stage")
 
-    def iter_objects(self) -> Iterator[tuple[dict, str, bytes]]:
+    def iter_objects(self) -> Iterator[tuple[Manifest, str, bytes]]:
         for m in self.manifests():
             for fname, info in m["files"].items():
                 yield m, fname, self.read(fname, info)

@@ -27,13 +27,14 @@ import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
-from eagle_jobs.committed import RowRef
+from eagle_jobs.committed import RowRef, extract_manifest
 from eagle_jobs.errors import BadInput, EagleJobsError
 from eagle_jobs.layout import STREAM, StageName
 from eagle_jobs.poll import poll_until
 from eagle_jobs.progress import console
-from eagle_jobs.records import Split
+from eagle_jobs.records import ExtractManifest, Split
 from eagle_jobs.sharding import owned, plan_shards, shard_name
 from eagle_jobs.store import Stage, Store
 
@@ -149,7 +150,7 @@ def mark_consumed(store: Store, run_id: str, shards: Sequence[StreamShard], dele
         store.delete_many([stage.key(f"data/{s.fname}") for s in shards])
 
 
-def is_validation(manifest: dict) -> bool:
+def is_validation(manifest: ExtractManifest) -> bool:
     """A stream's validation shard: kept for every epoch's validation, outside the window."""
     return bool(manifest["samples"]) and all(e["split"] == "validation" for e in manifest["samples"])
 
@@ -198,7 +199,7 @@ class Window:
         for every epoch's validation, on top of the window)."""
         names = [k.rsplit("/", 1)[1].removesuffix(".json") for k in self.store.list(self.stage.key("manifests"))]
         for n in names:
-            if n not in self._sizes and (m := self.stage.manifest(n)) is not None:
+            if n not in self._sizes and (m := extract_manifest(self.stage, n)) is not None:
                 self._sizes[n] = 0 if is_validation(m) else sum(f["size"] for f in m["files"].values())
         done = consumed(self.store, self.run_id)
         return sum(self._sizes.get(n, 0) for n in names if n not in done)
@@ -304,22 +305,22 @@ def clear_failed(store: Store, run_id: str) -> None:
     store.delete(failed_key(run_id))
 
 
-def committed_in_order(store: Store, run_id: str, names: Sequence[str]) -> Iterator[dict]:
+def committed_in_order(store: Store, run_id: str, names: Sequence[str]) -> Iterator[ExtractManifest]:
     """The manifests of `names`, each once extraction commits it, quietly (train.data.ShardStager's
     source: the trainer's own reads say where the stream is). Ends at a failed extraction or at a
     shard a completed extraction does not hold; training itself reports both."""
     stage = Stage(store, run_id, StageName.EXTRACT.dir)
-    end: dict = {}  # what a look returns when the stream ends without the shard
+    end = cast(ExtractManifest, {})  # what a look returns when the stream ends without the shard
 
-    def look(name: str) -> dict | None:
+    def look(name: str) -> ExtractManifest | None:
         if store.exists(failed_key(run_id)):
             return end
         done = stage.is_complete()  # before the manifest's second look: it may commit in between
-        m = stage.manifest(name)
+        m = extract_manifest(stage, name)
         return m if m is not None else (end if done else None)
 
     for name in names:
-        m = stage.manifest(name)
+        m = extract_manifest(stage, name)
         if m is None:
             m = poll_until(functools.partial(look, name), every_s=POLL_S, report_s=REPORT_S)
         if m is end:

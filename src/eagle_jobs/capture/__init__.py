@@ -29,7 +29,7 @@ from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console, stage_progress
 from eagle_jobs.prompts import Conversation, PromptRef, check_rejects, scan_prompts
 from eagle_jobs.recipe import Recipe
-from eagle_jobs.records import Row
+from eagle_jobs.records import CaptureFields, Row
 from eagle_jobs.sampling import effective
 from eagle_jobs.serve_plans import capture_plan
 from eagle_jobs.sharding import ShardWorker, chunked
@@ -112,14 +112,15 @@ def _capture_shards(recipe, worker: ShardWorker, todo: list[tuple[int, list[Prom
             blob, index = encode_rows(rows)
             name = worker.shard_name(k)
             tokens = sum(len(r["input_ids"]) for r in rows)
-            worker.stage.commit_shard(name, {f"{name}.jsonl": blob}, {
+            fields: CaptureFields = {
                 "rows": len(rows), "tokens": tokens, "row_index": index,
                 "prompt_indices": [c.index for c in chunk], "prompt_sha256s": [c.sha for c in chunk],
                 "skipped_too_long": stats.skipped, "reused_conversations": stats.reused,
                 "settings_digest": capture_digest(recipe),
                 "verifier": recipe.verifier.model, "backend": recipe.capture.backend,
                 "sampling": sampling,  # the effective parameters, the same on either backend
-            })
+            }
+            worker.stage.commit_shard(name, {f"{name}.jsonl": blob}, fields)
             console.print(f"  committed {name}: {len(chunk)} conversations, {len(rows)} rows, {tokens:,} tokens",
                           soft_wrap=True, markup=False, highlight=False)
             totals.rows += len(rows)

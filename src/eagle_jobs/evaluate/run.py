@@ -27,7 +27,7 @@ from eagle_jobs.evaluate.speed import (
 from eagle_jobs.layout import StageName, content_hash, eval_dir, train_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
-from eagle_jobs.records import EngineRecord, EvalReport, PromptSetResult
+from eagle_jobs.records import EngineRecord, EvalReport, PromptSetResult, TrainRecord
 from eagle_jobs.serve_plans import sidecar_drafts
 from eagle_jobs.store import Stage, Store
 
@@ -153,7 +153,7 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
     except Exception:  # noqa: BLE001 - a draft evaluated without its extraction in this store
         layers = None
     check_draft_matches(recipe, draft_cfg, layers, getattr(load_config(recipe.verifier), "architectures", None))
-    train_cfg = json.loads((draft_dir / "train_config.json").read_text())
+    train_cfg: TrainRecord = json.loads((draft_dir / "train_config.json").read_text())
     metrics = json.loads((draft_dir / "metrics.json").read_text())
     k = recipe.evaluate.k
     console.print(f"[bold]evaluate[/] k={k}, backend {recipe.evaluate.backend}: "
@@ -178,12 +178,14 @@ def run_evaluate(recipe: Recipe, store: Store, run_id: str, prompts: Path | None
         "trained_answer_tokens": recipe.sampling.max_new_tokens,
         "serving": advise(recipe, {name: x["speedup"] for name, x in per_set.items()}),
         "teacher_forced_estimate": teacher_forced_estimate(
-            metrics, k, (train_cfg.get("selection") or {}).get("epoch")),
+            metrics, k, sel["epoch"] if (sel := train_cfg.get("selection")) else None),
         "teacher_forced_note": "1 + sum of the exported epoch's validation full_acc_i: an estimate, not a measurement",
         "backend": recipe.evaluate.backend, "engine": res[primary]["engine"],
         "prompts": primary if not prompts else str(prompts),
         "prompts_sha256": p["prompts_sha256"], "prompt_sets": per_set,
-        "train": {k2: train_cfg.get(k2) for k2 in ("samples", "epochs", "total_steps", "parameters", "selection")},
+        "train": {"samples": train_cfg.get("samples"), "epochs": train_cfg.get("epochs"),
+                  "total_steps": train_cfg.get("total_steps"), "parameters": train_cfg.get("parameters"),
+                  "selection": train_cfg.get("selection")},
         "run_id": run_id,
     }
     from eagle_jobs.report import write_report

@@ -15,16 +15,18 @@ import math
 import shutil
 import time
 from pathlib import Path
+from typing import cast
 
 from eagle_jobs.committed import tau_estimate
 from eagle_jobs.errors import BadInput
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
+from eagle_jobs.records import CheckpointFields, CheckpointManifest, Selection, TrainRecord
 from eagle_jobs.store import Stage
 
 
-def committed_checkpoints(stage: Stage) -> list[dict]:
-    return [m for m in stage.manifests() if m["shard"].startswith("checkpoint-")]
+def committed_checkpoints(stage: Stage) -> list[CheckpointManifest]:
+    return [m for m in cast(list[CheckpointManifest], stage.manifests()) if m["shard"].startswith("checkpoint-")]
 
 
 def checkpoint_name(epoch: int, local_step: int) -> str:
@@ -33,12 +35,12 @@ def checkpoint_name(epoch: int, local_step: int) -> str:
     return f"checkpoint-{epoch:04d}" + (f"-step-{local_step:07d}" if local_step else "")
 
 
-def checkpoint_order(m: dict) -> tuple[int, float]:
+def checkpoint_order(m: CheckpointManifest) -> tuple[int, float]:
     """Older first: an epoch's end comes after every step of that epoch."""
-    return (m["epoch"], m["local_step"] or math.inf)
+    return (m["epoch"], m.get("local_step") or math.inf)
 
 
-def restore_latest(stage: Stage, local: Path, recipe_digest: str) -> dict | None:
+def restore_latest(stage: Stage, local: Path, recipe_digest: str) -> CheckpointManifest | None:
     """Put the newest committed checkpoint, epoch or step, where speculators' Trainer resumes from;
     its manifest, or None."""
     ckpts = committed_checkpoints(stage)
@@ -52,9 +54,9 @@ def restore_latest(stage: Stage, local: Path, recipe_digest: str) -> dict | None
     return m
 
 
-def epoch_checkpoints(stage: Stage) -> dict[int, dict]:
+def epoch_checkpoints(stage: Stage) -> dict[int, CheckpointManifest]:
     """The committed end-of-epoch checkpoints (the export's candidates): epoch -> manifest."""
-    return {m["epoch"]: m for m in committed_checkpoints(stage) if not m["local_step"]}
+    return {m["epoch"]: m for m in committed_checkpoints(stage) if not m.get("local_step")}
 
 
 def restore_epoch(stage: Stage, local: Path, epoch: int) -> None:
@@ -66,7 +68,7 @@ def restore_epoch(stage: Stage, local: Path, epoch: int) -> None:
 SERVED_FILES = ("model.safetensors", "config.json", "val_metrics.json")
 
 
-def restore_served(stage: Stage, m: dict, dest: Path) -> Path:
+def restore_served(stage: Stage, m: CheckpointManifest, dest: Path) -> Path:
     """Only what vLLM serves of the checkpoint `m`, in dest: a draft directory, without the optimizer
     state (the draft's twice over) that a resume needs and a server does not."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -77,14 +79,14 @@ def restore_served(stage: Stage, m: dict, dest: Path) -> Path:
     return dest
 
 
-def restore_checkpoint(stage: Stage, local: Path, m: dict) -> None:
+def restore_checkpoint(stage: Stage, local: Path, m: CheckpointManifest) -> None:
     from eagle_jobs.speculators_compat import import_checkpoint_dir
 
     objects = {f.split("/", 1)[1]: stage.read(f, info) for f, info in m["files"].items()}
     import_checkpoint_dir(objects, local / str(m["epoch"]))
 
 
-def select_epoch(records: list[dict], k: int, last: int) -> dict:
+def select_epoch(records: list[dict], k: int, last: int) -> Selection:
     """The epoch whose checkpoint becomes final/: the best held-out τ estimate, not the lowest loss.
 
     EAGLE-3 drafts peak after a few epochs and then lose τ while their loss keeps falling. Per epoch,
@@ -108,18 +110,19 @@ def estimate_depth(recipe: Recipe) -> int:
     return min(recipe.evaluate.k, recipe.train.ttt_steps)
 
 
-def commit_checkpoint(stage: Stage, local: Path, epoch: int, local_step: int, extra: dict) -> dict:
+def commit_checkpoint(stage: Stage, local: Path, epoch: int, local_step: int, recipe_digest: str) -> CheckpointManifest:
     """speculators' local `<epoch>/` directory as one shard of the store; its manifest."""
     from eagle_jobs.speculators_compat import export_checkpoint_dir
 
     name = checkpoint_name(epoch, local_step)
     objects = {f"{name}/{k}": v for k, v in export_checkpoint_dir(local / str(epoch)).items()}
-    m = stage.commit_shard(name, objects, {"epoch": epoch, "local_step": local_step, **extra})
+    fields: CheckpointFields = {"epoch": epoch, "local_step": local_step, "recipe_digest": recipe_digest}
+    m = cast(CheckpointManifest, stage.commit_shard(name, objects, fields))
     console.print(f"  committed {name} (step {local_step or 'end'}) to {stage.store.url(stage.prefix)}")
     return m
 
 
-def prune_step_checkpoints(stage: Stage, newest: dict) -> None:
+def prune_step_checkpoints(stage: Stage, newest: CheckpointManifest) -> None:
     """Step checkpoints older than `newest` (just committed, step or epoch) are superseded: each is
     uncommitted (its manifest first, so no reader finds a manifest without its objects), then its
     objects go. Epoch checkpoints stay: the export chooses among them."""
@@ -137,7 +140,7 @@ def prune_local_checkpoints(ckpt_dir: Path, committed: int) -> None:
             shutil.rmtree(p)
 
 
-def resume_checkpoint(recipe: Recipe, stage: Stage, ckpt_dir: Path) -> dict | None:
+def resume_checkpoint(recipe: Recipe, stage: Stage, ckpt_dir: Path) -> CheckpointManifest | None:
     """Every node restores the newest committed checkpoint of this recipe into ckpt_dir; its manifest, or None."""
     from speculators.train.distributed import get_local_rank, is_distributed
 
@@ -155,7 +158,7 @@ def resume_checkpoint(recipe: Recipe, stage: Stage, ckpt_dir: Path) -> dict | No
     return resumed
 
 
-def export_selected(recipe: Recipe, stage: Stage, ckpt_dir: Path, record: dict, records: list[dict],
+def export_selected(recipe: Recipe, stage: Stage, ckpt_dir: Path, record: TrainRecord, records: list[dict],
                     started: float) -> None:
     """Export the epoch with the best held-out tau estimate, as vLLM serves it."""
     last = max(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and not p.is_symlink())
@@ -170,7 +173,7 @@ def export_selected(recipe: Recipe, stage: Stage, ckpt_dir: Path, record: dict, 
     export_final(stage, ckpt_dir / str(sel["epoch"]), record, recipe)
 
 
-def export_final(stage: Stage, ckpt: Path, record: dict, recipe: Recipe, meta: dict | None = None) -> None:
+def export_final(stage: Stage, ckpt: Path, record: TrainRecord, recipe: Recipe, meta: dict | None = None) -> None:
     """ckpt (a local epoch directory) as final/: objects first, the manifest last, then COMPLETE.
     meta: more manifest fields (the served selection marks itself there)."""
     from eagle_jobs.speculators_compat import export_checkpoint_dir

@@ -31,7 +31,7 @@ from eagle_jobs.errors import BadInput
 from eagle_jobs.hsformat import decode_sample
 from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console
-from eagle_jobs.records import ExtractionInfo
+from eagle_jobs.records import ExtractionInfo, ExtractManifest, FileEntry, SampleEntry
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.train.stream_feed import StreamFeed, first_worker_count, stream_groups, wait_committed
 
@@ -40,13 +40,14 @@ if TYPE_CHECKING:
     from eagle_jobs.recipe import Recipe
 
 
-def staged_name(fname: str, info: dict) -> str:
+def staged_name(fname: str, info: FileEntry) -> str:
     """A shard's name on local disk, content-addressed: a staged copy from an earlier extraction can
     never be mistaken for this one."""
     return f"{info['sha256'][:16]}-{fname}"
 
 
-def read_staged(store: Store, run_id: str, stage_root: str, fname: str, local_name: str, e: dict) -> bytes | bytearray:
+def read_staged(store: Store, run_id: str, stage_root: str, fname: str, local_name: str,
+                e: SampleEntry) -> bytes | bytearray:
     """One sample's bytes: from the shard's staged copy on local disk (ShardStager) once it is
     there, else by a range read from the store."""
     local = Path(stage_root) / local_name
@@ -63,7 +64,7 @@ def read_staged(store: Store, run_id: str, stage_root: str, fname: str, local_na
 class StoreHiddenStatesDataset(BaseDataset):
     """Samples of one split: (shard file, staged name, manifest entry) each."""
 
-    def __init__(self, store_uri: str, run_id: str, items: list[tuple[str, str, dict]], stage_root: str,
+    def __init__(self, store_uri: str, run_id: str, items: list[tuple[str, str, SampleEntry]], stage_root: str,
                  max_len: int, dtype: torch.dtype):
         self.store_uri, self.run_id, self.items, self.stage_root = store_uri, run_id, items, stage_root
         self._store: Store | None = None  # opened in the process that reads (a worker, with num_workers > 0)
@@ -75,7 +76,7 @@ class StoreHiddenStatesDataset(BaseDataset):
     def __len__(self):
         return len(self.items)
 
-    def _read(self, fname: str, local_name: str, e: dict) -> bytes | bytearray:
+    def _read(self, fname: str, local_name: str, e: SampleEntry) -> bytes | bytearray:
         if self._store is None:
             self._store = Store.open(self.store_uri)
         return read_staged(self._store, self.run_id, self.stage_root, fname, local_name, e)
@@ -102,7 +103,7 @@ class StreamHiddenStatesDataset(BaseDataset):
         self.stage_root = stage_root  # the shards ShardStager keeps on local disk for later epochs
         self._store: Store | None = None
         # shard -> (file, its staged name, entries, skipped)
-        self._entries: dict[str, tuple[str, str, dict[str, dict], set[str]]] = {}
+        self._entries: dict[str, tuple[str, str, dict[str, SampleEntry], set[str]]] = {}
         super().__init__(max_len, dtype)
 
     def _compute_approx_lengths(self):
@@ -111,7 +112,7 @@ class StreamHiddenStatesDataset(BaseDataset):
     def __len__(self):
         return len(self.items)
 
-    def _shard(self, name: str) -> tuple[str, str, dict[str, dict], set[str]]:
+    def _shard(self, name: str) -> tuple[str, str, dict[str, SampleEntry], set[str]]:
         if name not in self._entries:
             if self._store is None:
                 self._store = Store.open(self.store_uri)
@@ -202,7 +203,7 @@ class ShardStager:
     stages each shard a later epoch reads again as it commits (`stream.committed_in_order`).
     """
 
-    def __init__(self, store: Store, run_id: str, manifests: Iterable[dict], root: Path, budget: int):
+    def __init__(self, store: Store, run_id: str, manifests: Iterable[ExtractManifest], root: Path, budget: int):
         self.store, self.root, self.budget = store, root, budget
         self.stage = Stage(store, run_id, StageName.EXTRACT.dir)
         self.manifests = manifests
@@ -228,7 +229,8 @@ class ShardStager:
         return self
 
 
-def token_frequencies(manifests: list[dict], store: Store, run_id: str, cache: Path | None = None) -> Counter:
+def token_frequencies(manifests: list[ExtractManifest], store: Store, run_id: str,
+                      cache: Path | None = None) -> Counter:
     """Counts of loss-masked target tokens in the training split (speculators' token_freq): of the
     extracted training samples, or (streaming, no manifests yet) of the training split's rows.
 
@@ -256,7 +258,7 @@ def token_frequencies(manifests: list[dict], store: Store, run_id: str, cache: P
         return freq
 
 
-def _count_tokens(manifests: list[dict], store: Store, run_id: str) -> Counter:
+def _count_tokens(manifests: list[ExtractManifest], store: Store, run_id: str) -> Counter:
     extracted = {e["row_id"] for m in manifests for e in m["samples"] if e["split"] == "train"}
     freq: Counter = Counter()
     for r in iter_rows(store, run_id):  # a few capture shards at a time: the counts, never the rows, stay
@@ -300,7 +302,7 @@ class TrainData:
         stager = ShardStager(store, run_id, info["manifests"], work / "stage", recipe.train.local_stage_bytes)
         if get_local_rank() == 0:  # one stager per node; the other ranks read what it staged
             stager.start()
-        items: dict[str, list[tuple[str, str, dict]]] = {"train": [], "validation": []}
+        items: dict[str, list[tuple[str, str, SampleEntry]]] = {"train": [], "validation": []}
         for m in info["manifests"]:
             (fname, finfo), = m["files"].items()
             for e in m["samples"]:

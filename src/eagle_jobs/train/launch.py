@@ -17,10 +17,12 @@ from pathlib import Path
 
 import torch
 
+from eagle_jobs.committed import checkpoint_manifest
 from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
 from eagle_jobs.layout import train_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
+from eagle_jobs.records import TrainRecord
 from eagle_jobs.settings import settings
 from eagle_jobs.store import Stage, Store
 
@@ -47,7 +49,7 @@ def torchrun_has_shutdown_timeout() -> bool:
 
 
 def launch_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | None, work: Path,
-                 variant: str | None = None) -> dict | None:
+                 variant: str | None = None) -> TrainRecord | None:
     """With a world size above one, train as torchrun's ranks in child processes; None otherwise.
 
     The ranks get exactly this recipe (as JSON in the work dir) and `eagle-jobs
@@ -67,7 +69,7 @@ def launch_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | Non
 
 
 def run_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | None, work: Path, ranks: Ranks,
-              variant: str | None = None) -> dict:
+              variant: str | None = None) -> TrainRecord:
     """torchrun with `eagle-jobs train` as each rank (see launch_ranks); the committed record."""
     work.mkdir(parents=True, exist_ok=True)
     recipe_file = work / "recipe.json"
@@ -110,11 +112,12 @@ def run_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | None, 
         for s, h in previous.items():
             signal.signal(s, h)
     stage = Stage(store, run_id, train_dir(variant))
-    final = stage.manifest("final") if rc == 0 else None
+    final = checkpoint_manifest(stage, "final") if rc == 0 else None
     if final is not None:  # the record run_train returns, as rank 0 committed it
-        read = {k: json.loads(stage.read(f"final/{k}.json", final["files"][f"final/{k}.json"]))
-                for k in ("train_config", "metrics")}
-        return {**read["train_config"], "metrics": read["metrics"]}
+        files = final["files"]
+        record: TrainRecord = json.loads(stage.read("final/train_config.json", files["final/train_config.json"]))
+        record["metrics"] = json.loads(stage.read("final/metrics.json", files["final/metrics.json"]))
+        return record
     codes = [int(p.read_text()) for p in sorted(exits.iterdir(), key=lambda p: int(p.name))]
     if signalled:
         raise EagleJobsError("train: interrupted by a signal; the ranks committed their checkpoint, rerun to resume",

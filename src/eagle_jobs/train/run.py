@@ -31,7 +31,7 @@ from eagle_jobs.errors import BadInput, EagleJobsError, ExitCode
 from eagle_jobs.layout import StageName, train_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
-from eagle_jobs.records import ExtractionInfo
+from eagle_jobs.records import CheckpointManifest, ExtractionInfo, TrainRecord
 from eagle_jobs.settings import settings
 from eagle_jobs.store import Stage, Store
 from eagle_jobs.train.checkpoints import (
@@ -51,7 +51,7 @@ STAGE = StageName.TRAIN.dir
 
 
 def run_train(recipe: Recipe, store: Store, run_id: str, max_steps: int | None = None,
-              work_dir: Path | None = None, variant: str | None = None) -> dict:
+              work_dir: Path | None = None, variant: str | None = None) -> TrainRecord:
     """Train the run's draft on its committed extraction (or, with `variant`, one arm of `compare`)."""
     # 1. the extraction must be the one this draft expects
     info, tcfg, shape = check_extraction(recipe, store, run_id)
@@ -162,7 +162,7 @@ class TrainRun:
 
 
 def train_record(run: TrainRun, info: ExtractionInfo, shape: DraftShape, rank: RankSetup, data: TrainData,
-                 params: dict, coverage: float) -> dict:
+                 params: dict, coverage: float) -> TrainRecord:
     """train_config.json: what this draft was trained on and with (docs/FORMAT.md)."""
     from speculators.train.distributed import get_world_size
 
@@ -183,8 +183,8 @@ def train_record(run: TrainRun, info: ExtractionInfo, shape: DraftShape, rank: R
     }
 
 
-def fit_and_export(run: TrainRun, model, data: TrainData, rank: RankSetup, resumed: dict | None,
-                   record: dict) -> None:
+def fit_and_export(run: TrainRun, model, data: TrainData, rank: RankSetup, resumed: CheckpointManifest | None,
+                   record: TrainRecord) -> None:
     """speculators' Trainer, committing each checkpoint to the store; rank 0 exports the chosen epoch."""
     from speculators.train.distributed import get_rank, maybe_destroy_distributed
     from speculators.train.trainer import TrainerConfig
@@ -211,7 +211,7 @@ def fit_and_export(run: TrainRun, model, data: TrainData, rank: RankSetup, resum
     def on_checkpoint(epoch: int, local_step: int) -> None:
         (ckpt_dir / str(epoch) / "train_config.json").write_text(json.dumps(record, indent=1))
         (ckpt_dir / str(epoch) / "metrics.json").write_text(json.dumps(recorder.records))
-        m = commit_checkpoint(stage, ckpt_dir, epoch, local_step, {"recipe_digest": recipe.train_digest()})
+        m = commit_checkpoint(stage, ckpt_dir, epoch, local_step, recipe.train_digest())
         prune_step_checkpoints(stage, m)
         prune_local_checkpoints(ckpt_dir, epoch)
         if data.feed is not None:

@@ -12,13 +12,15 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from eagle_jobs.committed import extract_manifest
 from eagle_jobs.layout import StageName
 from eagle_jobs.poll import poll_until
 from eagle_jobs.progress import console
+from eagle_jobs.records import ExtractManifest
 from eagle_jobs.store import Stage, Store
 
 
-def wait_committed(store: Store, run_id: str, shard: str, order: list[str]) -> dict:
+def wait_committed(store: Store, run_id: str, shard: str, order: list[str]) -> ExtractManifest:
     """The manifest of `shard` once extraction commits it; says where training is in the stream."""
     from eagle_jobs import stream
     from eagle_jobs.errors import BadInput
@@ -42,7 +44,7 @@ def wait_committed(store: Store, run_id: str, shard: str, order: list[str]) -> d
                       f"has committed {have} ({waited:.0f} s)", markup=False, highlight=False)
 
     # waiting for extraction is progress: poll_until beats the heartbeat (stream.Window.wait)
-    m = poll_until(lambda: stage.manifest(shard), say, failed, every_s=stream.POLL_S, report_s=stream.REPORT_S)
+    m = poll_until(lambda: extract_manifest(stage, shard), say, failed, every_s=stream.POLL_S, report_s=stream.REPORT_S)
     have = len(stage.store.list(stage.key("manifests")))
     console.print(f"  stream: reading shard {pos + 1} of {len(order)}; extraction has committed {have}, "
                   f"{max(0, have - pos - 1)} ahead of training", markup=False, highlight=False)
