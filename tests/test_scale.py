@@ -96,7 +96,7 @@ def test_an_extractor_waiting_on_a_full_window_beats_and_goes_on_when_training_c
     hb = tmp_path / "hb"
     monkeypatch.setenv(heartbeat.ENV, str(hb))
     monkeypatch.setattr(heartbeat, "EVERY_S", 0.0)
-    monkeypatch.setattr(stream, "POLL_S", 0.05)
+    monkeypatch.setattr(stream.window, "POLL_S", 0.05)
     window = stream.Window(st, "r", 150, [stream.StreamShard(n, 0, 0, "train", (), 100) for n in "ab"])
     done = threading.Event()
     t = threading.Thread(target=lambda: (window.wait("b", 100, say=lambda _m: None), done.set()))
@@ -252,13 +252,13 @@ def test_a_window_wait_ends_when_training_stops_marking_itself_alive(tmp_path, m
     st = Store.open(f"file://{tmp_path}/s")
     stage = Stage(st, "r", "extract")
     stage.commit_shard("a", {"a.safetensors": b"x" * 100}, {"samples": [{"split": "train"}]})
-    monkeypatch.setattr(stream, "POLL_S", 0.01)
-    monkeypatch.setattr(stream, "REPORT_S", 0.0)
+    monkeypatch.setattr(stream.window, "POLL_S", 0.01)
+    monkeypatch.setattr(stream.window, "REPORT_S", 0.0)
     window = stream.Window(st, "r", 150, [stream.StreamShard(n, 0, 0, "train", (), 100) for n in "ab"])
     stream.check_training_alive(st, "r", window.started)  # no trainer yet: waited for
     st.put_json(stream.alive_key("r"), {"at": time.time() - 3600, "started_at": window.started - 7200})
     stream.check_training_alive(st, "r", window.started)  # an earlier attempt's trainer: its successor waited for
-    monkeypatch.setattr(stream, "ALIVE_EVERY_S", 0.05)
+    monkeypatch.setattr(stream.window, "ALIVE_EVERY_S", 0.05)
     alive = stream.TrainingAlive(st, "r").start()
     time.sleep(0.2)
     stream.check_training_alive(st, "r", window.started, stale_s=1.0)  # alive: waited for

@@ -31,8 +31,8 @@ from eagle_jobs.errors import BadInput
 from eagle_jobs.pipeline import run_streamed
 from eagle_jobs.recipe_file import load_recipe
 from eagle_jobs.store import Stage, Store
+from eagle_jobs.stream.feed import stream_groups
 from eagle_jobs.train.data import StreamBatchSampler
-from eagle_jobs.train.stream_feed import stream_groups
 
 TESTS = Path(__file__).resolve().parent
 

@@ -49,7 +49,7 @@ from eagle_jobs.recipe.stages import (
 )
 
 # train.source stream: the window holds at least this many shards (and steps' worth of states): see
-# eagle_jobs/stream.py for the budget that keeps extraction and training from waiting on each other.
+# eagle_jobs/stream/__init__.py for the budget that keeps extraction and training from waiting on each other.
 WINDOW_SHARDS = 8
 
 
@@ -216,7 +216,7 @@ class Recipe(Section):
         if t.source == "stream":
             if window is None:
                 raise ValueError("train.source stream needs store.window_bytes (e.g. 16 x extract.shard_bytes)")
-            if window < WINDOW_SHARDS * shard:  # eagle_jobs/stream.py: why this many
+            if window < WINDOW_SHARDS * shard:  # eagle_jobs/stream/__init__.py: why this many
                 raise ValueError(f"store.window_bytes {window:,} is below {WINDOW_SHARDS} x extract.shard_bytes "
                                  f"({WINDOW_SHARDS * shard:,}): raise it or make the shards smaller")
 

@@ -6,9 +6,8 @@ The modules, each one job:
   shape, vocab mapping, data, model, resume, train, export), and the train_config.json record;
 - `launch`: a world size above one as torchrun's ranks in child processes, and their exit codes;
 - `checkpoints`: checkpoints in the store (commit, restore, prune) and the epoch final/ exports;
-- `data`: the vocab mapping's token counts, shards staged to local disk, the datasets and loaders;
-- `stream_feed`: train.source stream, training's side of the stream (waiting for shards, groups,
-  the consumed marks).
+- `data`: the vocab mapping's token counts, shards staged to local disk, the datasets and loaders
+  (train.source stream: training's side of the stream is eagle_jobs.stream.feed).
 
 No re-exports: each name is imported from the module that defines it.
 """

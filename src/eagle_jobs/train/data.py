@@ -33,7 +33,7 @@ from eagle_jobs.layout import StageName
 from eagle_jobs.progress import console
 from eagle_jobs.records import ExtractionInfo, ExtractManifest, FileEntry, SampleEntry
 from eagle_jobs.store import Stage, Store
-from eagle_jobs.train.stream_feed import StreamFeed, first_worker_count, stream_groups, wait_committed
+from eagle_jobs.stream.feed import StreamFeed, first_worker_count, stream_groups, wait_committed
 
 if TYPE_CHECKING:
     from eagle_jobs.draft import DraftShape
@@ -339,8 +339,8 @@ class TrainData:
         t, reextract = recipe.train, recipe.train.later_epochs == "re-extract"
         rows = {r.row_id: r for r in info["rows"]}
         bpt = bytes_per_token(len(info["layer_ids"]), info["hidden_size"], info["storage"])
-        order = stream.stream_order(list(rows.values()), bpt, recipe.extract.shard_bytes,
-                                    first_worker_count(store, run_id), t.epochs if reextract else 1)
+        order = stream.StreamPlan(list(rows.values()), bpt, recipe.extract.shard_bytes,
+                                  first_worker_count(store, run_id), t.epochs if reextract else 1).order
         window = recipe.store.window_bytes or 0
         # a step packs samples clipped to total_seq_len, but reads them whole from the store
         stream.check_window(window, max(t.total_seq_len, recipe.limits.max_seq_len) * bpt * get_dp_size())

@@ -18,11 +18,12 @@ from eagle_jobs.poll import poll_until
 from eagle_jobs.progress import console
 from eagle_jobs.records import ExtractManifest
 from eagle_jobs.store import Stage, Store
+from eagle_jobs.stream import window as stream_window
+from eagle_jobs.stream.plan import num_workers_of, pass_name
 
 
 def wait_committed(store: Store, run_id: str, shard: str, order: list[str]) -> ExtractManifest:
     """The manifest of `shard` once extraction commits it; says where training is in the stream."""
-    from eagle_jobs import stream
     from eagle_jobs.errors import BadInput
 
     stage = Stage(store, run_id, StageName.EXTRACT.dir)
@@ -30,9 +31,9 @@ def wait_committed(store: Store, run_id: str, shard: str, order: list[str]) -> E
 
     def failed() -> None:
         nonlocal marked
-        stream.check_not_failed(store, run_id)
+        stream_window.check_not_failed(store, run_id)
         if not marked:  # extraction lets the shard training is blocked on through a full window
-            stream.mark_waiting(store, run_id, shard)
+            stream_window.mark_waiting(store, run_id, shard)
             marked = True
         if stage.is_complete() and stage.manifest(shard) is None:
             raise BadInput(f"train: extraction of run '{run_id}' completed without shard {shard} of the stream "
@@ -43,8 +44,9 @@ def wait_committed(store: Store, run_id: str, shard: str, order: list[str]) -> E
         console.print(f"  stream: training waits for shard {pos + 1} of {len(order)} ({shard}); extraction "
                       f"has committed {have} ({waited:.0f} s)", markup=False, highlight=False)
 
-    # waiting for extraction is progress: poll_until beats the heartbeat (stream.Window.wait)
-    m = poll_until(lambda: extract_manifest(stage, shard), say, failed, every_s=stream.POLL_S, report_s=stream.REPORT_S)
+    # waiting for extraction is progress: poll_until beats the heartbeat (Window.wait)
+    m = poll_until(lambda: extract_manifest(stage, shard), say, failed, every_s=stream_window.POLL_S,
+                   report_s=stream_window.REPORT_S)
     have = len(stage.store.list(stage.key("manifests")))
     console.print(f"  stream: reading shard {pos + 1} of {len(order)}; extraction has committed {have}, "
                   f"{max(0, have - pos - 1)} ahead of training", markup=False, highlight=False)
@@ -53,7 +55,6 @@ def wait_committed(store: Store, run_id: str, shard: str, order: list[str]) -> E
 
 def first_worker_count(store: Store, run_id: str) -> int:
     """The extraction's worker count, from its first committed shard's name (waits for one)."""
-    from eagle_jobs import stream
 
     stage = Stage(store, run_id, StageName.EXTRACT.dir)
 
@@ -61,10 +62,11 @@ def first_worker_count(store: Store, run_id: str) -> int:
         console.print(f"  stream: waiting for extraction's first shard ({waited:.0f} s)", markup=False)
 
     keys = poll_until(lambda: stage.store.list(stage.key("manifests")) or None, say,
-                      lambda: stream.check_not_failed(store, run_id), every_s=stream.POLL_S, report_s=stream.REPORT_S)
+                      lambda: stream_window.check_not_failed(store, run_id), every_s=stream_window.POLL_S,
+                      report_s=stream_window.REPORT_S)
     first = keys[0].rsplit("/", 1)[1].removesuffix(".json")
     wait_committed(store, run_id, first, [first])
-    return stream.num_workers_of(first)
+    return num_workers_of(first)
 
 
 def stream_groups(shards: list, group_bytes: int) -> list[list]:
@@ -85,7 +87,7 @@ def stream_groups(shards: list, group_bytes: int) -> list[list]:
 class StreamFeed:
     """Training's side of the window. Every rank asks `checkpoint_due` after each step (the same answer on
     all: it is computed from the plan): a checkpoint is due once the groups finished since the last one
-    hold a quarter of the window (eagle_jobs/stream.py: the window's budget). Rank 0, once a checkpoint
+    hold a quarter of the window (eagle_jobs.stream: the window's budget). Rank 0, once a checkpoint
     is committed, marks the shards it is past consumed (re-extract: deletes them), so a restart never
     needs a shard that is gone."""
 
@@ -127,12 +129,12 @@ class StreamFeed:
     def on_commit(self, epoch: int, local_step: int) -> None:
         from dataclasses import replace
 
-        from eagle_jobs import stream
 
         done = self._groups_done(epoch, local_step or 1 << 62)  # local step 0: the epoch's end
         p = self._pass(epoch)
-        new = [replace(s, name=stream.pass_name(s.name, p)) for g in self.groups[:done] for s in g]
+        new = [replace(s, name=pass_name(s.name, p)) for g in self.groups[:done] for s in g]
         new = [s for s in new if s.name not in self.marked]
         if new:
-            stream.mark_consumed(self.store, self.run_id, new, self.reextract, {"epoch": epoch, "step": local_step})
+            stream_window.mark_consumed(self.store, self.run_id, new, self.reextract,
+                                        {"epoch": epoch, "step": local_step})
             self.marked.update(s.name for s in new)

@@ -1,42 +1,22 @@
-"""Streaming (`train.source: stream`): training reads extraction's shards in commit order while
-extraction goes on, and the store holds at most `store.window_bytes` of states training has not
-finished with. The layer below extract and train, which never import each other:
+"""The stream's window and markers on the store (eagle_jobs.stream): extraction's wait while the window is
+full, the shards training has consumed, training's waiting and alive marks, a failed extraction's mark."""
 
-- both plan the same shards from the same committed rows (`stream_order`): validation shards
-  first (kept: each epoch's validation reads them), then the training shards, then, with
-  `train.later_epochs: re-extract`, the training shards again under a pass suffix for each later
-  epoch (prefill again, no generation);
-- training marks a shard consumed (`<run>/stream/consumed/<shard>.json`) once a committed
-  checkpoint is past its last sample, and in re-extract mode deletes its data then: a restarted
-  trainer resumes at that checkpoint and never needs a deleted shard;
-- extraction pauses while the committed, unconsumed shards fill the window (`Window.wait`),
-  and a restarted extractor skips consumed shards as it skips committed ones.
-
-The window's budget, W = store.window_bytes, so that neither side waits on the other for ever:
-training shuffles within groups of consecutive shards of at most W/8 (GROUP_SHARE) and asks for a
-checkpoint once the groups it has finished since the last one hold W/4 (CHECKPOINT_SHARE). When
-training waits for a shard, the window holds at most what awaits a checkpoint (< W/4) and the groups
-the current step touches (one step's states plus a group at each end: <= 3W/8), so extraction can
-commit its next shard when a shard and a step's states are each at most W/8: the recipe checks
-shards (recipe.WINDOW_SHARDS), training checks steps (`check_window`).
-"""
 
 from __future__ import annotations
 
 import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import cast
 
-from eagle_jobs.committed import RowRef, extract_manifest
+from eagle_jobs.committed import extract_manifest
 from eagle_jobs.errors import BadInput, EagleJobsError
 from eagle_jobs.layout import STREAM, StageName
 from eagle_jobs.poll import poll_until
 from eagle_jobs.progress import console
-from eagle_jobs.records import ExtractManifest, Split
-from eagle_jobs.sharding import owned, plan_shards, shard_name
+from eagle_jobs.records import ExtractManifest
 from eagle_jobs.store import Stage, Store
+from eagle_jobs.stream.plan import StreamShard, mib
 
 GROUP_SHARE, CHECKPOINT_SHARE = 8, 4  # a shuffle group <= W/8; a checkpoint once W/4 is finished with
 POLL_S = 1.0  # how often a waiting side looks at the store again
@@ -46,74 +26,12 @@ ALIVE_EVERY_S = 60.0  # training's rank 0 marks itself alive on the store this o
 TRAINING_STALE_S = 1800.0  # a window wait ends once training's mark is this old: the window will not drain
 
 
-@dataclass(frozen=True)
-class StreamShard:
-    """One shard of the stream: extraction's shard name, its pass, and the rows it holds."""
-
-    name: str
-    worker: int
-    pass_index: int
-    split: Split
-    row_ids: tuple[str, ...]
-    planned_bytes: int
-
-    @property
-    def fname(self) -> str:
-        return f"{self.name}.safetensors"
-
-
-def pass_name(name: str, pass_index: int) -> str:
-    """Pass 0 keeps the stored mode's shard name; a re-extracted pass gets a suffix."""
-    return name if pass_index == 0 else f"{name}-pass{pass_index:03d}"
-
-
-def worker_stream(rows: Sequence[RowRef], bytes_per_tok: int, shard_bytes: int, index: int, num: int,
-                  passes: int) -> list[StreamShard]:
-    """Worker `index` of `num`'s shards in the order it extracts them."""
-    mine = owned(rows, index, num)
-    val = plan_shards([r for r in mine if r.split != "train"], bytes_per_tok, shard_bytes)
-    train = plan_shards([r for r in mine if r.split == "train"], bytes_per_tok, shard_bytes)
-    out: list[StreamShard] = []
-
-    def add(shard_rows: list[RowRef], k: int, split: Split, p: int) -> None:
-        size = sum(r.num_tokens for r in shard_rows) * bytes_per_tok
-        out.append(StreamShard(pass_name(shard_name(index, num, k), p), index, p, split,
-                               tuple(r.row_id for r in shard_rows), size))
-
-    for k, s in enumerate(val):
-        add(s, k, "validation", 0)
-    for p in range(passes):
-        for k, s in enumerate(train, start=len(val)):
-            add(s, k, "train", p)
-    return out
-
-
-def stream_order(rows: Sequence[RowRef], bytes_per_tok: int, shard_bytes: int, num_workers: int,
-                 passes: int) -> list[StreamShard]:
-    """Every worker's shards, interleaved (the i-th of each worker in turn): the order they commit
-    in when the workers keep pace, and the order training reads them in."""
-    per = [worker_stream(rows, bytes_per_tok, shard_bytes, w, num_workers, passes) for w in range(num_workers)]
-    return [lst[i] for i in range(max(map(len, per), default=0)) for lst in per if i < len(lst)]
-
-
 def check_window(window: int, step_bytes: int) -> None:
     """Training: one optimizer step's states (all ranks) must be at most an eighth of the window."""
     if window < GROUP_SHARE * step_bytes:
         raise BadInput(f"store.window_bytes {window:,} is below {GROUP_SHARE} x one step's states ({step_bytes:,} "
                        "bytes: the longer of train.total_seq_len and limits.max_seq_len, x bytes per token x ranks): "
                        "raise the window")
-
-
-def num_workers_of(shard: str) -> int:
-    """The worker count a shard name was planned for (`00001-of-00004-00007`)."""
-    try:
-        return int(shard.split("-of-", 1)[1][:5])
-    except (IndexError, ValueError):
-        raise BadInput(f"extraction shard '{shard}' is not a worker shard name: rerun extract") from None
-
-
-def mib(n: float) -> str:
-    return f"{n / 2**20:,.2f} MiB"
 
 
 # -- consumption --------------------------------------------------------------------
