@@ -25,9 +25,13 @@ _last = float("-inf")
 def beat(force: bool = False) -> None:
     """Touch the heartbeat file, if there is one, at most every EVERY_S seconds."""
     global _last
-    path = os.environ.get(ENV)
     now = time.monotonic()
-    if not path or (not force and now - _last < EVERY_S):
+    if not force and now - _last < EVERY_S:
+        return
+    from eagle_jobs.settings import settings  # here: the probe (`python3 -m eagle_jobs.heartbeat`) stays stdlib-only
+
+    path = settings().heartbeat  # ENV
+    if path is None:
         return
     _last = now
     with open(path, "a"):

@@ -7,7 +7,6 @@ EAGLE_JOBS_PROGRESS_INTERVAL_S seconds (default 30) while it advances, and one a
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 
@@ -23,6 +22,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.text import Text
+
+from eagle_jobs.settings import settings
 
 console = Console(stderr=True)
 
@@ -56,7 +57,7 @@ class PlainTicker:
 
     def __init__(self, description: str, total: int, unit: str):
         self.description, self.total, self.unit = description, total, unit
-        self.interval = float(os.environ.get("EAGLE_JOBS_PROGRESS_INTERVAL_S", "30"))
+        self.interval = settings().progress_interval_s
         self.start = self.printed = time.perf_counter()
         self.done = self.tokens = 0
 

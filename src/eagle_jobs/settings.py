@@ -30,6 +30,13 @@ class Settings(BaseSettings):
     multipart_bytes: int = Field(default=64 * 1024**2, description="an S3 object above this is a multipart upload")
     part_bytes: int = Field(default=32 * 1024**2, description="a multipart upload's part (S3's minimum: 5 MiB)")
     store_retries: int = Field(default=6, description="retries of a store request that failed in a transient way")
+    num_shards: int | None = Field(default=None, description="an Indexed Job's completion count, which Kubernetes "
+                                   "sets no variable for (our manifests copy `completions`); --num-shards wins")
+    progress_interval_s: float = Field(default=30.0, description="seconds between plain progress lines in a log")
+    heartbeat: Path | None = Field(default=None, description="the file a stage touches while it makes progress "
+                                   "(the pod's liveness probe reads its age; eagle_jobs.heartbeat)")
+    rank_exits: Path | None = Field(default=None, description="set by the training launcher: where each rank "
+                                    "leaves the exit code of its named failure (train.launch)")
 
     def cache_root(self) -> Path:
         return self.cache or Path.home() / ".cache" / "eagle-jobs"

@@ -36,8 +36,10 @@ def resolve_worker(shard_index: int | None, num_shards: int | None) -> tuple[int
     """
     shard_index = worker_index(shard_index)
     if num_shards is None:
-        env = os.environ.get("EAGLE_JOBS_NUM_SHARDS")
-        num_shards = int(env) if env not in (None, "") else 1
+        from eagle_jobs.settings import settings
+
+        given = settings().num_shards
+        num_shards = given if given is not None else 1
     if num_shards < 1 or not 0 <= shard_index < num_shards:
         raise BadInput(f"--shard-index {shard_index} --num-shards {num_shards}: need 0 <= index < num-shards")
     return shard_index, num_shards

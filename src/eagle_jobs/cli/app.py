@@ -6,7 +6,6 @@ eagle_jobs.errors.ExitCode (documented in docs/OPERATIONS.md#exit-codes).
 from __future__ import annotations
 
 import errno
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -152,7 +151,7 @@ def main() -> None:
         sys.exit(rc if isinstance(rc, int) else 0)
     except EagleJobsError as e:
         print(f"eagle-jobs: error: {e}", file=sys.stderr)
-        if "EAGLE_JOBS_RANK_EXITS" in os.environ:  # a training rank: tell the launcher (train.launch.launch_ranks)
+        if settings().rank_exits is not None:  # a training rank: tell the launcher (train.launch.launch_ranks)
             from eagle_jobs.train.launch import record_rank_exit
 
             record_rank_exit(e.code)

@@ -129,7 +129,7 @@ def run_ranks(recipe: Recipe, store: Store, run_id: str, max_steps: int | None, 
 
 def record_rank_exit(code: int) -> None:
     """Under `launch_ranks`: leave this rank's exit code for the launcher (see there)."""
-    d = os.environ.get("EAGLE_JOBS_RANK_EXITS")
-    if d and "RANK" in os.environ:
-        (Path(d) / os.environ["RANK"]).write_text(str(int(code)))
+    d = settings().rank_exits
+    if d is not None and "RANK" in os.environ:  # torchrun's
+        (d / os.environ["RANK"]).write_text(str(int(code)))
 
