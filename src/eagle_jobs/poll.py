@@ -3,8 +3,12 @@
 Between looks `poll_until` calls `failed` (which raises when the wait can never end: the other side failed or
 finished without the thing waited for), beats the heartbeat (a wait on the pipeline's other side is progress,
 so a pod's liveness probe does not kill a worker that waits on a slow peer: eagle_jobs/heartbeat.py), and calls
-`say` with the seconds waited, on the first wait and then every `report_s`. The stream's waits use it:
-extraction on a full window, training on a shard, on extraction's first shard, and on the shards it stages.
+`say` with the seconds waited, on the first wait and then every `report_s`. Every wait of a stage's
+process uses it: extraction on a full window, training on a shard, on extraction's first shard and on the
+shards it stages, a stage on its vLLM server's /health, and extraction on vLLM's hidden-states file lock.
+Two loops are not such waits and do not use it: the vLLM sidecar's (eagle_jobs.vllm_switch), which runs
+beside the worker and must not beat the worker's heartbeat, and `eagle-jobs watch`, which follows a
+cluster's run from outside it.
 
 Imports nothing heavy: speculators' spawned loader workers wait through it.
 """

@@ -11,6 +11,7 @@ group) or to the endpoint it was given, and only once /v1/models names the recip
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import socket
@@ -26,12 +27,15 @@ from typing import Any
 
 import httpx
 
-from eagle_jobs import heartbeat, vllm_cpu
+from eagle_jobs import vllm_cpu
 from eagle_jobs.errors import BadInput, Unavailable
+from eagle_jobs.poll import poll_until
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import VerifierSpec, VllmServerSpec
 from eagle_jobs.settings import settings
 from eagle_jobs.vllm_guard import GUARD_GRACE_S, executable
+
+HEALTH_EVERY_S = 2.0  # between /health looks while a server loads
 
 
 def wait_healthy(base: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -39,21 +43,26 @@ def wait_healthy(base: str, timeout_s: float, proc: subprocess.Popen | None = No
     heartbeat: in a pod the worker starts beside its vLLM sidecar (no startup probe holds it back), and this
     deadline, not the heartbeat's 30 minutes, is what a load of the verifier gets."""
     deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        heartbeat.beat()
-        if proc is not None and proc.poll() is not None:
-            raise Unavailable(f"vllm serve exited with code {proc.returncode} before {base}/health answered")
+    last = ["no answer"]
+
+    def healthy() -> bool | None:
         try:
             r = httpx.get(f"{base}/health", timeout=5)
             if r.status_code == 200:
-                return
-            last = f"HTTP {r.status_code}"
+                return True
+            last[0] = f"HTTP {r.status_code}"
         except httpx.HTTPError as e:
-            last = type(e).__name__
-        time.sleep(min(2.0, max(0.05, deadline - time.monotonic())))
-    raise Unavailable(f"server {base} not healthy after {timeout_s:.0f}s ({last}): check the server log, "
-                      "or raise health_timeout_s in the recipe")
+            last[0] = type(e).__name__
+        return None
+
+    def failed() -> None:
+        if proc is not None and proc.poll() is not None:
+            raise Unavailable(f"vllm serve exited with code {proc.returncode} before {base}/health answered")
+        if time.monotonic() >= deadline:
+            raise Unavailable(f"server {base} not healthy after {timeout_s:.0f}s ({last[0]}): check the server log, "
+                              "or raise health_timeout_s in the recipe")
+
+    poll_until(healthy, failed=failed, every_s=HEALTH_EVERY_S, report_s=math.inf)
 
 
 @dataclass(frozen=True)

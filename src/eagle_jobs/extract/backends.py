@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import math
 import os
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from eagle_jobs.errors import Unavailable
+from eagle_jobs.poll import poll_until
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.records import Advance, Extracted, Row, RowStates
 
@@ -122,20 +124,23 @@ class VllmExtractor:
             fd = os.open(lock, os.O_RDONLY)
         except FileNotFoundError:
             fd = None  # use_synchronization_lock off: the file is complete when it exists
+
+        def released() -> bool | None:
+            if fd is None:
+                return path.is_file() or None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                return None
+
+        def failed() -> None:
+            if time.monotonic() > deadline:
+                raise Unavailable(f"hidden-states file {path}: still locked by vLLM after {timeout_s:.0f}s "
+                                  "(extract.vllm.request_timeout_s); is the server's writer stuck? rerun to retry")
+
         try:
-            while True:
-                if fd is not None:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                        return
-                    except BlockingIOError:
-                        pass
-                elif path.is_file():
-                    return
-                if time.monotonic() > deadline:
-                    raise Unavailable(f"hidden-states file {path}: still locked by vLLM after {timeout_s:.0f}s "
-                                      "(extract.vllm.request_timeout_s); is the server's writer stuck? rerun to retry")
-                time.sleep(poll_s)
+            poll_until(released, failed=failed, every_s=poll_s, report_s=math.inf)
         finally:
             if fd is not None:
                 os.close(fd)
