@@ -27,21 +27,37 @@ def _with(r, **sections):
 
 
 def test_plan_scales_with_gpus_and_storage():
+    """Training's epoch is its compute or its store reads, whichever is slower, and streamed training starts
+    once each extraction pod has committed a shard: the one time model (plan_time), which `plan --scale`
+    prices with too."""
     kimi = load_recipe(REPO / "jobs/kimi-k2.5.yaml")
-    r = _with(kimi, train={"source": "stored"}, extract={"storage_dtype": "bfloat16"})
-    one = _with(r, train={"nproc_per_node": 1})
-    assert abs(make_plan(one)["stages"]["train"]["time_s"] / make_plan(r)["stages"]["train"]["time_s"] - 8) < 1e-6
-    fp8 = _with(r, extract={"storage_dtype": "fp8"})
-    assert make_plan(fp8)["stages"]["extract"]["write_bytes"] < 0.51 * make_plan(r)["stages"]["extract"]["write_bytes"]
-    assert make_plan(r)["stages"]["extract"]["objects"] > 100
-    # the recipe as written: fp8 (auto, far above 64 GiB), and streamed training waits on extraction's pass
+    fp8 = _with(kimi, train={"source": "stored"}, extract={"storage_dtype": "fp8"})
+    one = _with(fp8, train={"nproc_per_node": 1})
+    stored = make_plan(fp8)
+    # compute-bound: eight GPUs train eight times as fast
+    assert abs(make_plan(one)["stages"]["train"]["time_s"] / stored["stages"]["train"]["time_s"] - 8) < 1e-6
+    # bf16 doubles the corpus; too large to stage on local disk, every epoch reads it from the store, which is
+    # then slower than the compute
+    bf16 = make_plan(_with(fp8, extract={"storage_dtype": "bfloat16"}))
+    corpus = bf16["hidden_state_bytes"]["bfloat16"]
+    assert corpus > kimi.train.local_stage_bytes
+    reads_s = kimi.train.epochs * corpus / (kimi.plan.store_bytes_per_s * kimi.train.nnodes)
+    assert bf16["stages"]["train"]["time_s"] == pytest.approx(reads_s) and reads_s > stored["stages"]["train"]["time_s"]
+    assert bf16["stages"]["train"]["read_bytes"] == kimi.train.epochs * corpus
+    assert stored["stages"]["extract"]["write_bytes"] < 0.51 * bf16["stages"]["extract"]["write_bytes"]
+    assert bf16["stages"]["extract"]["objects"] > 100
+    # the recipe as written: fp8 (auto, far above 64 GiB); streamed training starts after the lead (a shard
+    # from each extraction pod) and cannot end its first epoch before extraction's pass
     p = make_plan(kimi)
-    assert (p["storage"] == "fp8"
-            and p["stages"]["extract"]["write_bytes"] == make_plan(fp8)["stages"]["extract"]["write_bytes"])
-    epoch = make_plan(_with(kimi, train={"source": "stored"}))["stages"]["train"]["time_s"] / kimi.train.epochs
-    assert p["stages"]["train"]["time_s"] == max(p["stages"]["extract"]["time_s"], epoch) + 2 * epoch
+    assert p["storage"] == "fp8" and p["stages"]["extract"]["write_bytes"] == stored["stages"]["extract"]["write_bytes"]
+    epoch, x = stored["stages"]["train"]["time_s"] / kimi.train.epochs, p["stages"]["extract"]["time_s"]
+    lead = x * kimi.extract.shard_bytes * kimi.plan.extract_nodes / p["hidden_state_bytes"]["fp8"]
+    assert 0 < lead < 60 and p["stages"]["train"]["time_s"] == pytest.approx(max(x, lead + epoch) + 2 * epoch)
+    # re-extract: every epoch is a pass, and the extraction pods are booked until the last one ends
     re = make_plan(_with(kimi, train={"later_epochs": "re-extract"}))
-    assert re["stages"]["extract"]["time_s"] == 3 * p["stages"]["extract"]["time_s"]
+    assert re["stages"]["extract"]["time_s"] == re["stages"]["train"]["time_s"] == pytest.approx(
+        3 * max(x, lead + epoch))
+    assert re["stages"]["extract"]["write_bytes"] == 3 * p["stages"]["extract"]["write_bytes"]
 
 
 def test_cli_plan_runs(capsys):

@@ -20,6 +20,7 @@ from rich.table import Table
 from eagle_jobs.draft import DraftShape, resolve_shape
 from eagle_jobs.hsformat import bytes_per_token, resolve_storage
 from eagle_jobs.layout import StageName
+from eagle_jobs.plan_time import mode_cost, recipe_mode, spans, time_basis
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import DraftSpec, Recipe
 from eagle_jobs.records import Plan, StagePlan
@@ -149,10 +150,6 @@ def make_plan(recipe: Recipe) -> Plan:
     ckpt = params["saved"] * 2 + params["trainable"] * 2 * 2  # bf16 weights + bf16 Adam moments
     capture_shards = math.ceil(convs / recipe.capture.prompts_per_shard)
     extract_shards = max(1, math.ceil(hs / recipe.extract.shard_bytes))
-    # a corpus within train.local_stage_bytes is read from the store once (the node cache), unless every
-    # epoch is extracted again
-    reextract = t.source == "stream" and t.later_epochs == "re-extract"
-    staged_reads = hs if hs <= t.local_stage_bytes and not reextract else hs * t.epochs
     val = recipe.prompts.validation
     n_val = int(val) if val >= 1 else int(round(convs * val))
     ev = recipe.evaluate
@@ -162,21 +159,17 @@ def make_plan(recipe: Recipe) -> Plan:
     if ev.backend == "vllm":  # the speed passes, with the draft at each k and without (an upper bound on each)
         timed = sum(ev.speedup_requests_at(c) for c in ev.concurrency_levels)
         eval_tokens += (len(ev.num_speculative_tokens) + 1) * timed * ev.max_new_tokens
-    # the pods of a stage work side by side: capture's and extraction's shards split over plan.*_nodes
-    extract_s = (tokens / tp.extract_tokens_per_s + hs / tp.store_bytes_per_s) / tp.extract_nodes
-    train_s, passes = gens * t.epochs / (tp.train_samples_per_s_per_gpu * gpus), 1
-    if t.source == "stream":  # training starts beside extraction and cannot finish an epoch before its pass
-        epoch_s = train_s / t.epochs
-        if t.later_epochs == "re-extract":
-            passes, train_s = t.epochs, t.epochs * max(extract_s, epoch_s)
-        else:
-            train_s = max(extract_s, epoch_s) + (t.epochs - 1) * epoch_s
+    # the one time model (plan_time): stored, streamed, or streamed again each epoch (re-extract)
+    basis = time_basis(recipe, gens / convs, seq, {d: n // max(1, tokens) for d, n in
+                                                    (("bfloat16", hs_bf16), ("fp8", hs_fp8))})
+    span = spans(basis, gens, tokens, hs)
+    mode = mode_cost(basis, span, hs, recipe_mode(recipe))
+    passes = mode.passes
     # (time_s, objects, write_bytes, read_bytes) of each stage
     costs = {
-        "capture": (gens * gen_toks / (tp.capture_tokens_per_s * tp.capture_nodes), 2 * capture_shards + 2,
-                    tokens * 8, 0),
-        "extract": (passes * extract_s, 2 * passes * extract_shards + 2, passes * hs, passes * tokens * 8),
-        "train": (train_s, 2 * (t.epochs + 1) + 1, ckpt * t.epochs, staged_reads),
+        "capture": (span.capture, 2 * capture_shards + 2, tokens * 8, 0),
+        "extract": (mode.extract_span, 2 * passes * extract_shards + 2, mode.written, passes * tokens * 8),
+        "train": (mode.train_span, 2 * (t.epochs + 1) + 1, ckpt * t.epochs, mode.reads),
         "evaluate": (eval_tokens / tp.eval_tokens_per_s, 8 if ev.backend == "vllm" else 7, 1e6, params["total"] * 2),
     }
     stages: dict[str, StagePlan] = {
