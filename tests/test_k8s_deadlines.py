@@ -53,12 +53,16 @@ def test_every_stage_deadline_covers_what_the_plan_says_it_must(rendered, overla
         deadline = _job(js, stage)["activeDeadlineSeconds"]
         assert deadline >= est["deadline_floor_s"] > est["time_s"], (overlay, stage, deadline, est)
     # the load budget the floor adds is how long the stage's worker waits for its servers, the recipe's own
-    # health_timeout_s each: one for capture and extract; evaluate's own servers (evaluate.run.measure_sets) are
-    # the trained draft at k, the untrained draft, one per other k and one without a draft
+    # health_timeout_s each: one for capture and extract; for evaluate, every plan its prepare writes and its
+    # sidecar serves (serve_plans.evaluate_plans; tests/test_speedup.py checks that a pod's evaluate asks for
+    # exactly those, in that order)
+    from eagle_jobs.serve_plans import evaluate_plans
+
     recipe = _recipe(rendered[overlay])
     for stage in ("capture", "extract", "evaluate"):
         spec = getattr(recipe, stage)
-        servers = len(recipe.evaluate.num_speculative_tokens) + 2 if stage == "evaluate" else 1
+        servers = len(evaluate_plans(recipe, Path("draft"), Path("untrained"))) if stage == "evaluate" else 1
+        assert servers >= (3 if stage == "evaluate" else 1)  # evaluate: the draft, the untrained one, no draft
         assert server_load_s(recipe, stage) == (servers * spec.vllm.health_timeout_s if spec.backend == "vllm" else 0)
         if spec.backend == "vllm":
             assert plan["stages"][stage]["deadline_floor_s"] > spec.vllm.health_timeout_s

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 from rich.table import Table
 
@@ -109,7 +110,11 @@ def server_load_s(recipe: Recipe, stage: str) -> float:
     spec = getattr(recipe, stage)
     if spec.backend != "vllm":
         return 0.0
-    servers = len(recipe.evaluate.num_speculative_tokens) + 2 if stage == StageName.EVALUATE else 1
+    if stage != StageName.EVALUATE:
+        return spec.vllm.health_timeout_s
+    from eagle_jobs.serve_plans import evaluate_plans  # pure: names the servers, starts none
+
+    servers = len(evaluate_plans(recipe, Path("draft"), Path("untrained-draft")))
     return servers * spec.vllm.health_timeout_s
 
 

@@ -107,7 +107,7 @@ def evaluate_plans(recipe: Recipe, draft_dir: Path, untrained_dir: Path) -> dict
     untrained draft at evaluate.k, the draft at each other k of the speed pass, and no draft."""
     ev = recipe.evaluate
     plans = [evaluate_plan(recipe, draft_dir, ev.k), evaluate_plan(recipe, untrained_dir, ev.k, untrained=True),
-             *(evaluate_plan(recipe, draft_dir, k) for k in ev.num_speculative_tokens if k != ev.k),
+             *(evaluate_plan(recipe, draft_dir, k) for k in ev.other_ks()),
              evaluate_plan(recipe, None)]
     return {p.name: p for p in plans}
 

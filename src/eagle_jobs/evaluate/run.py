@@ -100,10 +100,9 @@ def measure_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict
     base = evaluate_vllm_sets(recipe, untrained, timed, untrained=True)
     started = time.perf_counter()
     by_k = {recipe.evaluate.k: {name: res[name]["speed"] for name in timed}}
-    for k in recipe.evaluate.num_speculative_tokens:  # every other k: a server each, timed only
-        if k != recipe.evaluate.k:
-            by_k[k] = {name: r["speed"] for name, r in evaluate_vllm_sets(recipe, draft_dir, timed, True, k,
-                                                                          tau=False).items()}
+    for k in recipe.evaluate.other_ks():  # a server each, timed only (serve_plans.evaluate_plans' order)
+        by_k[k] = {name: r["speed"] for name, r in evaluate_vllm_sets(recipe, draft_dir, timed, True, k,
+                                                                      tau=False).items()}
     plain = speed_without_draft(recipe, timed)
     wall = time.perf_counter() - started + next(iter(res.values()))["speed_wall_s"]
     return sets, too_long, res, base, {

@@ -273,3 +273,7 @@ class EvaluateSpec(StageBackend):
 
     def speedup_requests_at(self, level: int) -> int:
         return max(self.speedup_requests, level)
+
+    def other_ks(self) -> list[int]:
+        """Each k of num_speculative_tokens beside k: a speed-pass server each (τ is measured at k)."""
+        return [k for k in self.num_speculative_tokens if k != self.k]
