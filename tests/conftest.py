@@ -61,7 +61,7 @@ def one_torch_thread():
     """torch computes on one thread in the test process itself. Two or three workers already share the
     2 cores, and a second intra-op thread on small tensors only adds synchronisation: `make test-fast`
     took 171.6 s and 287 CPU-s so, against 190.6 s and 322 CPU-s (fresh .mypy_cache, one run after the
-    other, 2026-12-05). Processes a test starts (stages, torchrun ranks, vLLM) keep their own threads."""
+    other). Processes a test starts (stages, torchrun ranks, vLLM) keep their own threads."""
     import torch
 
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Choosing the epoch by served tau (#21 item 5): `eagle-jobs rank-epochs` and train.select_by: served.
+"""Choosing the epoch by served tau: `eagle-jobs rank-epochs` and train.select_by: served.
 
 The unit tests hold Spearman's rho to hand-computed values (ties included). The train-tier tests run
 the chain on the tiny Kimi-shaped verifier with the transformers backends (the served loop in process):

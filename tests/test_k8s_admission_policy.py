@@ -1,4 +1,4 @@
-"""Least privilege for the verifier's remote code (#20 item 8), on the render.
+"""Least privilege for the verifier's remote code, on the render.
 
 The vLLM sidecars get no read-write store credentials: eagle-jobs-store-readonly where the weights
 stream from the store, none where they come from the image (dev) or a claim (weights-volume). And

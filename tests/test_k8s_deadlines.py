@@ -1,4 +1,4 @@
-"""Deadlines from the plan, and the vLLM stages' progress heartbeat (#20 item 6).
+"""Deadlines from the plan, and the vLLM stages' progress heartbeat.
 
 A vLLM stage's worker touches a heartbeat file as it makes progress (src/eagle_jobs/heartbeat.py);
 the rendered startup and liveness probes fail the pod once it is 30 minutes stale. The wall-clock

@@ -1,4 +1,4 @@
-"""What a failed pod does to a run, played on every overlay's render (#20 item 5).
+"""What a failed pod does to a run, played on every overlay's render.
 
 tests/k8s_failure_sim.py applies Kubernetes' podFailurePolicy and Job limits and JobSet's
 failurePolicy in the order their controllers do (it cites the sources); here it is fed with pod

@@ -1,4 +1,4 @@
-"""Preemption, the manifest half (#20 item 7): a grace period that fits one checkpoint save, and the
+"""Preemption, the manifest half: a grace period that fits one checkpoint save, and the
 optional components/preemptible (a low priority class, the autoscaler's safe-to-evict), on the render.
 
 The save estimate is plan.make_plan's `train_checkpoint` (the draft's bf16 weights and Adam moments,

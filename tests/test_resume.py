@@ -1,4 +1,4 @@
-"""Preemption costs minutes, not an epoch (#20 item 7); the LR schedule resumes where it stopped (#21 item 6).
+"""Preemption costs minutes, not an epoch; the LR schedule resumes where it stopped.
 
 Real training runs of the tiny verifier's draft, stopped as pods are stopped: a node loss kills every process
 of the pod at once (SIGKILL, no grace), an eviction sends SIGTERM to the pod's main process (the kubelet,
