@@ -110,8 +110,8 @@ def test_the_train_launcher_passes_exactly_these_arguments(monkeypatch, tmp_path
 
 
 def test_a_torchrun_without_shutdown_timeout_gets_no_such_flag(monkeypatch, tmp_path, capsys):
-    """torch 2.11's torchrun (a GPU machine's image may carry it) exits 2 on --shutdown_timeout: the launcher leaves it out, and says
-    what that costs."""
+    """torch 2.11's torchrun (a GPU machine's image may carry it) exits 2 on --shutdown_timeout: the launcher
+    leaves it out, and says what that costs."""
     import torch.distributed.run as torchrun
 
     from eagle_jobs.errors import EagleJobsError
