@@ -11,7 +11,7 @@ from typing import Protocol, cast
 import torch
 
 from eagle_jobs.evaluate.engine import engine_record
-from eagle_jobs.evaluate.sets import prompt_ids
+from eagle_jobs.evaluate.sets import SetMeasurement, prompt_ids
 from eagle_jobs.progress import stage_progress
 from eagle_jobs.recipe import Recipe
 from eagle_jobs.records import PositionBucket
@@ -220,7 +220,7 @@ def speculative_generate(verifier, proposer: Proposer, aux_ids: list[int], promp
 
 # -- the backend ------------------------------------------------------------------------------
 def evaluate_transformers(recipe: Recipe, draft_dir: Path, prompts: list[list[dict]], untrained: bool,
-                          max_new: int | None = None) -> dict:
+                          max_new: int | None = None) -> SetMeasurement:
     """τ of a draft in this process's loop at evaluate.k, max_new (default evaluate.max_new_tokens) a prompt."""
     from eagle_jobs.verifier import load_verifier
 

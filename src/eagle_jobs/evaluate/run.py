@@ -13,8 +13,8 @@ from eagle_jobs.committed import download_final, extraction_info, tau_estimate
 from eagle_jobs.deploy import advise
 from eagle_jobs.errors import BadInput
 from eagle_jobs.evaluate.decode import evaluate_transformers, save_untrained
-from eagle_jobs.evaluate.served import evaluate_vllm_sets
-from eagle_jobs.evaluate.sets import eval_sets, max_tokens_of, set_source, within_limits
+from eagle_jobs.evaluate.served import evaluate_vllm_sets, speed_at
+from eagle_jobs.evaluate.sets import SetMeasurement, eval_sets, max_tokens_of, set_source, within_limits
 from eagle_jobs.evaluate.speed import (
     NOT_TIMED,
     SPEED_NOTE,
@@ -27,7 +27,7 @@ from eagle_jobs.evaluate.speed import (
 from eagle_jobs.layout import StageName, content_hash, eval_dir, train_dir
 from eagle_jobs.progress import console
 from eagle_jobs.recipe import Recipe
-from eagle_jobs.records import EngineRecord, EvalReport, PromptSetResult, TrainRecord
+from eagle_jobs.records import EngineRecord, EvalReport, PromptSetResult, TimedPass, TrainRecord
 from eagle_jobs.serve_plans import sidecar_drafts
 from eagle_jobs.store import Stage, Store
 
@@ -60,7 +60,7 @@ def teacher_forced_estimate(metrics: list[dict], k: int, epoch: int | None = Non
 
 
 def measure_draft(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict]]],
-                  timed: bool = False) -> tuple[dict, dict[str, int], dict[str, dict]]:
+                  timed: bool = False) -> tuple[dict, dict[str, int], dict[str, SetMeasurement]]:
     """One draft's results per set on the recipe's backend: (prompts kept per set, prompts skipped as too
     long per set, results). The transformers backend counts prompt lengths with the verifier's tokenizer
     first; the vLLM backend on its server (served_token_count), where the verifier's own code may run.
@@ -99,10 +99,13 @@ def measure_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict
     timed = timed_sets(sets)
     base = evaluate_vllm_sets(recipe, untrained, timed, untrained=True)
     started = time.perf_counter()
-    by_k = {recipe.evaluate.k: {name: res[name]["speed"] for name in timed}}
+    by_k: dict[int, dict[str, dict[int, TimedPass]]] = {recipe.evaluate.k: {}}
+    for name in timed:  # measured with the τ pass's server (timed=True above): every timed set has its pass
+        passes = res[name].get("speed")
+        assert passes is not None, name
+        by_k[recipe.evaluate.k][name] = passes
     for k in recipe.evaluate.other_ks():  # a server each, timed only (serve_plans.evaluate_plans' order)
-        by_k[k] = {name: r["speed"] for name, r in evaluate_vllm_sets(recipe, draft_dir, timed, True, k,
-                                                                      tau=False).items()}
+        by_k[k] = speed_at(recipe, draft_dir, timed, k)
     plain = speed_without_draft(recipe, timed)
     wall = time.perf_counter() - started + next(iter(res.values()))["speed_wall_s"]
     return sets, too_long, res, base, {
@@ -120,7 +123,8 @@ def tau_on_this_engine(recipe: Recipe, draft_dir: Path, sets: dict[str, list[lis
 
 
 def set_results(recipe: Recipe, prompts: Path | None, sets: dict[str, list[list[dict]]], too_long: dict[str, int],
-                res: dict, base: dict, speed: dict) -> dict[str, PromptSetResult]:
+                res: dict[str, SetMeasurement], base: dict[str, SetMeasurement],
+                speed: dict) -> dict[str, PromptSetResult]:
     """Each set's record in report.json, from measure_sets' results."""
     return {name: {
         "acceptance_length": res[name]["acceptance_length"],

@@ -5,15 +5,18 @@ output position from each response's verify steps."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
 from pathlib import Path
 
 from eagle_jobs.evaluate.decode import by_position, steps_of_request
 from eagle_jobs.evaluate.engine import chat_body, drafts_and_accepted, engine_record, served_model, spec_counters
-from eagle_jobs.evaluate.sets import max_tokens_of, served_token_count, within_limits
+from eagle_jobs.evaluate.sets import SetMeasurement, SetTau, max_tokens_of, served_token_count, within_limits
 from eagle_jobs.evaluate.speed import measure_speed, own_servers, timed_sets
 from eagle_jobs.progress import stage_progress
 from eagle_jobs.recipe import Recipe
+from eagle_jobs.records import EngineRecord, TimedPass
 from eagle_jobs.serve_plans import evaluate_plan
 
 
@@ -23,7 +26,7 @@ def _log_since(log: Path, offset: int) -> str:
         return f.read().decode(errors="replace")
 
 
-def evaluate_vllm(recipe: Recipe, draft_dir: Path, prompts: list[list[dict]]) -> dict:
+def evaluate_vllm(recipe: Recipe, draft_dir: Path, prompts: list[list[dict]]) -> SetMeasurement:
     return evaluate_vllm_sets(recipe, draft_dir, {"prompts": prompts})["prompts"]
 
 
@@ -36,7 +39,7 @@ def request_steps(body: dict) -> list[tuple[int, int]] | None:
     return steps_of_request(spec.get("per_step_accepted") or [])
 
 
-def tau_pass(recipe: Recipe, base: str, model: str, name: str, prompts: list[list[dict]]) -> dict:
+def tau_pass(recipe: Recipe, base: str, model: str, name: str, prompts: list[list[dict]]) -> SetTau:
     """One set's τ on a draft's server: the /metrics counters read before and after it (server-wide:
     every request of the set ends before `after` is read), and its τ by output position."""
     import httpx
@@ -68,29 +71,44 @@ def tau_pass(recipe: Recipe, base: str, model: str, name: str, prompts: list[lis
             "by_position": None if steps is None else by_position(steps, recipe.evaluate.position_bucket_tokens)}
 
 
-def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict]]],
-                       timed: bool = False, k: int | None = None, tau: bool = True,
-                       untrained: bool = False) -> dict[str, dict]:
-    """One server for every set, the draft at k (default evaluate.k; untrained: the τ baseline). tau: each
-    set's τ (tau_pass).
-    timed: first time each set but the long-output one at each concurrency level (measure_speed), as
-    out[set]["speed"]."""
+@contextmanager
+def draft_server(recipe: Recipe, draft_dir: Path, k: int, untrained: bool, sets: dict[str, list[list[dict]]]
+                 ) -> Iterator[tuple[str, str, EngineRecord, dict[str, list[list[dict]]], dict[str, int]]]:
+    """One server, the draft at k (untrained: the τ baseline): (its URL, its model name, the engine record,
+    the sets' prompts within its limits, the prompts skipped as too long per set)."""
     from eagle_jobs.vllm_server import server_log, vllm_endpoint
 
-    k = k or recipe.evaluate.k
     log = server_log(None, f"port-{recipe.evaluate.vllm.port}")  # vllm_endpoint's own choice, appended to
     ended = log.stat().st_size if log.is_file() else 0  # a server started here writes after this
     with vllm_endpoint(evaluate_plan(recipe, draft_dir, k, untrained), log) as base:
         model = served_model(base)
         engine = engine_record(recipe, base, _log_since(log, ended) if own_servers(recipe) else None)
-        sets, too_long = within_limits(recipe, sets, served_token_count(recipe, base, model))
+        kept, too_long = within_limits(recipe, sets, served_token_count(recipe, base, model))
+        yield base, model, engine, kept, too_long
+
+
+def evaluate_vllm_sets(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict]]],
+                       timed: bool = False, untrained: bool = False) -> dict[str, SetMeasurement]:
+    """One server for every set, the draft at evaluate.k (untrained: the τ baseline): each set's τ (tau_pass).
+    timed: first time each set but the long-output one at each concurrency level (measure_speed), as
+    out[set]["speed"]."""
+    k = recipe.evaluate.k
+    with draft_server(recipe, draft_dir, k, untrained, sets) as (base, model, engine, sets, too_long):
         # timed before the τ pass, so that neither this server nor the one without a draft has seen the
         # timed prompts before (vLLM's prefix cache would shorten their prefill on one side only)
         started = time.perf_counter()
         speed = measure_speed(recipe, base, model, timed_sets(sets), f"with the draft at k={k}", True) if timed else {}
         speed_wall_s = time.perf_counter() - started
-        return {name: {**(tau_pass(recipe, base, model, name, prompts) if tau else {}),
+        return {name: {**tau_pass(recipe, base, model, name, prompts),
                        "speed": speed.get(name), "speed_wall_s": speed_wall_s, "prompts": prompts,
                        "skipped_too_long": too_long[name], "engine": engine}
                 for name, prompts in sets.items()}
+
+
+def speed_at(recipe: Recipe, draft_dir: Path, sets: dict[str, list[list[dict]]],
+             k: int) -> dict[str, dict[int, TimedPass]]:
+    """The timed passes alone, the draft at k (a speed-pass server: τ is measured at evaluate.k)."""
+    with draft_server(recipe, draft_dir, k, False, sets) as (base, model, _engine, sets, _too_long):
+        speed = measure_speed(recipe, base, model, timed_sets(sets), f"with the draft at k={k}", True)
+        return {name: speed[name] for name in timed_sets(sets)}
 

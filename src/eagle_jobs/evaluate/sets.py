@@ -6,10 +6,35 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import NotRequired, TypedDict
 
 from eagle_jobs.errors import BadInput
 from eagle_jobs.prompts import load_prompt_index, load_prompts
 from eagle_jobs.recipe import LONG_OUTPUT_SET, PromptSpec, Recipe
+from eagle_jobs.records import EngineRecord, PositionBucket, TimedPass
+
+
+class SetTau(TypedDict):
+    """One prompt set's τ with one draft, as either backend measures it (decode.evaluate_transformers: its
+    own loop; served.tau_pass: a server's /metrics counters and verify steps)."""
+
+    acceptance_length: float
+    per_position_acceptance: list[float]
+    rounds: int  # verify steps: one verifier forward each
+    tokens_generated: int
+    outputs: list[list[int]]  # the generated ids of the transformers loop; [] served
+    by_position: list[PositionBucket] | None  # None: the server gave no per-request steps
+
+
+class SetMeasurement(SetTau):
+    """What a backend returns for one set and one draft: its τ, the engine that measured it and, served, the
+    prompts the server kept and the timed pass (evaluate.run reads it into the report's PromptSetResult)."""
+
+    engine: EngineRecord
+    prompts: NotRequired[list[list[dict]]]
+    skipped_too_long: NotRequired[int]
+    speed: NotRequired[dict[int, TimedPass] | None]  # per concurrency level; None: not timed
+    speed_wall_s: NotRequired[float]
 
 
 def _first_turns(convs) -> list[list[dict]]:
