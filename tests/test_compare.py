@@ -44,7 +44,7 @@ def test_variants_train_on_one_extraction_and_a_rerun_skips_them(tiny_recipe, bu
     report = run_compare(recipe, st, "r")  # trains the other arms, evaluates all, hot is not trained again
     assert Stage(st, "r", "variants/hot/train").manifest("final")["committed_at"] == hot_trained
     assert [r["variant"] for r in report["variants"]] == ["base", "hot", "narrow"] and not report["missing"]
-    # what compare stores is its typed record, field for field (records.py; FORMAT.md names each field)
+    # what compare stores is its typed record, field for field (eagle_jobs.records; FORMAT.md names each field)
     from eagle_jobs.records import ArmSetResult, CompareArm, CompareReport
 
     stored = json.loads(st.get("r/compare/data/report.json"))

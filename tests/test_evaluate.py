@@ -102,7 +102,7 @@ def test_report(trained, tmp_path):
     assert {"report.json", "report.md", "training.png", "acceptance.png", "tau.png"} <= files
     stored = json.loads(st.get("r/eval/data/report.json"))
     assert stored["acceptance_length"] == rep["acceptance_length"]
-    # the stored report is the typed record, field for field (records.py; FORMAT.md names each field)
+    # the stored report is the typed record, field for field (eagle_jobs.records; FORMAT.md names each field)
     from eagle_jobs.records import EvalReport, PromptSetResult
 
     assert set(stored) == set(EvalReport.__annotations__)

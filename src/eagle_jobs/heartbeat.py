@@ -23,17 +23,18 @@ _last = float("-inf")
 
 
 def beat(force: bool = False) -> None:
-    """Touch the heartbeat file, if there is one, at most every EVERY_S seconds."""
+    """Touch the heartbeat file, if there is one, at most every EVERY_S seconds. The environment is read at
+    most that often too, set or not: beat() runs on every progress tick and every look of a wait."""
     global _last
     now = time.monotonic()
     if not force and now - _last < EVERY_S:
         return
+    _last = now
     from eagle_jobs.settings import settings  # here: the probe (`python3 -m eagle_jobs.heartbeat`) stays stdlib-only
 
     path = settings().heartbeat  # ENV
     if path is None:
         return
-    _last = now
     with open(path, "a"):
         pass
     os.utime(path)

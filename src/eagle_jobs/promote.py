@@ -24,9 +24,8 @@ from eagle_jobs.store import Stage, Store
 
 
 def _git_commit() -> str | None:
-    for var in ("EAGLE_JOBS_GIT_COMMIT", "GITHUB_SHA"):
-        if os.environ.get(var):
-            return os.environ[var]
+    if given := settings().git_commit or os.environ.get("GITHUB_SHA"):  # GitHub Actions sets it
+        return given
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):

@@ -35,6 +35,8 @@ class Settings(BaseSettings):
     progress_interval_s: float = Field(default=30.0, description="seconds between plain progress lines in a log")
     heartbeat: Path | None = Field(default=None, description="the file a stage touches while it makes progress "
                                    "(the pod's liveness probe reads its age; eagle_jobs.heartbeat)")
+    git_commit: str | None = Field(default=None, description="the commit a draft is promoted from (else CI's "
+                                   "GITHUB_SHA, else `git rev-parse HEAD`): lineage in the promoted serve.json")
     rank_exits: Path | None = Field(default=None, description="set by the training launcher: where each rank "
                                     "leaves the exit code of its named failure (train.launch)")
 

@@ -6,6 +6,7 @@ eagle_jobs.errors.ExitCode (documented in docs/OPERATIONS.md#exit-codes).
 from __future__ import annotations
 
 import errno
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -151,7 +152,9 @@ def main() -> None:
         sys.exit(rc if isinstance(rc, int) else 0)
     except EagleJobsError as e:
         print(f"eagle-jobs: error: {e}", file=sys.stderr)
-        if settings().rank_exits is not None:  # a training rank: tell the launcher (train.launch.launch_ranks)
+        # a training rank: tell the launcher (train.launch.launch_ranks). Read directly, not through settings():
+        # the error path must not fail on another variable that does not validate
+        if os.environ.get("EAGLE_JOBS_RANK_EXITS"):
             from eagle_jobs.train.launch import record_rank_exit
 
             record_rank_exit(e.code)

@@ -140,7 +140,7 @@ class VllmExtractor:
                                   "(extract.vllm.request_timeout_s); is the server's writer stuck? rerun to retry")
 
         try:
-            poll_until(released, failed=failed, every_s=poll_s, report_s=math.inf)
+            poll_until(released, failed=failed, every_s=poll_s, report_s=math.inf, progress=False)
         finally:
             if fd is not None:
                 os.close(fd)
