@@ -55,9 +55,10 @@ def main() -> None:
     from eagle_jobs.capture import ShardStats, TransformersBackend, VllmBackend
     from eagle_jobs.committed import read_rows
     from eagle_jobs.prompts import load_prompts
+    from eagle_jobs.serve_plans import capture_plan, extract_plan, extract_scratch
     from eagle_jobs.store import Store
     from eagle_jobs.verifier import load_config
-    from eagle_jobs.vllm_server import vllm_endpoint
+    from eagle_jobs.vllm_server import ServePlan, vllm_endpoint
 
     def port() -> int:  # not the demo's fixed ports: a demo may be running
         with socket.socket() as s:
@@ -77,7 +78,7 @@ def main() -> None:
         return time.perf_counter() - t, toks[0]
 
     t0 = time.perf_counter()
-    with vllm_endpoint(recipe.capture.vllm, recipe.verifier) as base:
+    with vllm_endpoint(capture_plan(recipe)) as base:
         start = time.perf_counter() - t0
         vllm_runs = [timed(VllmBackend(recipe, base)) for _ in range(args.repeats)]
     tf = TransformersBackend(recipe)
@@ -98,11 +99,11 @@ def main() -> None:
     tokens = sum(len(r["input_ids"]) for r in rows)
     recipe = recipe.model_copy(update={"extract": recipe.extract.model_copy(update={"scratch_dir": str(tmp / "hs")})})
     conc = recipe.extract.concurrency
-    with vllm_endpoint(recipe.extract.vllm, recipe.verifier) as base:
+    with vllm_endpoint(ServePlan(recipe.extract.vllm, recipe.verifier)) as base:  # no hidden-states connector
         plain_prefill(base, rows[:8], conc)  # warm-up
         plain = [tokens / plain_prefill(base, rows, conc) for _ in range(args.repeats)]
-    with vllm_endpoint(recipe.extract.vllm, recipe.verifier, extract.serve_args(recipe, "b", 0)) as base:
-        ex = extract.VllmExtractor(recipe, base, extract.scratch_dir(recipe, "b", 0))
+    with vllm_endpoint(extract_plan(recipe, "b", 0)) as base:
+        ex = extract.VllmExtractor(recipe, base, extract_scratch(recipe, "b", 0))
         ex.states(rows[:8], lambda *_: None)
         full = []
         for _ in range(args.repeats):
