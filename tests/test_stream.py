@@ -44,7 +44,7 @@ def _rows(n: int, val_every: int = 5) -> list[RowRef]:
 
 def test_the_stream_is_validation_first_then_each_training_row_once_per_pass_workers_interleaved():
     rows = _rows(40)
-    order = stream.stream_order(rows, 100, 5_000, num_workers=3, passes=2)
+    order = stream.StreamPlan(rows, 100, 5_000, num_workers=3, passes=2).order
     # each worker's validation shards come before its training shards, and the pass-0 names are the stored mode's
     for w in range(3):
         mine = [s for s in order if s.worker == w]
@@ -94,7 +94,7 @@ def test_batches_follow_the_stream_and_every_sample_is_read_once_per_epoch(repli
 
 
 def test_stream_groups_hold_consecutive_shards_up_to_the_group_size():
-    shards = stream.stream_order(_rows(60), 100, 3_000, 1, 1)
+    shards = stream.StreamPlan(_rows(60), 100, 3_000, 1, 1).order
     train = [s for s in shards if s.split == "train"]
     groups = stream_groups(train, 7_000)
     assert [s for g in groups for s in g] == train

@@ -165,8 +165,8 @@ def make_plan(recipe: Recipe) -> Plan:
         timed = sum(ev.speedup_requests_at(c) for c in ev.concurrency_levels)
         eval_tokens += (len(ev.num_speculative_tokens) + 1) * timed * ev.max_new_tokens
     # the one time model (plan_time): stored, streamed, or streamed again each epoch (re-extract)
-    basis = time_basis(recipe, gens / convs, seq, {d: n // max(1, tokens) for d, n in
-                                                    (("bfloat16", hs_bf16), ("fp8", hs_fp8))})
+    basis = time_basis(recipe, gens / convs, seq,
+                       {d: bytes_per_token(n_layers, shape.hidden_size, d) for d in ("bfloat16", "fp8")})
     span = spans(basis, gens, tokens, hs)
     mode = mode_cost(basis, span, hs, recipe_mode(recipe))
     passes = mode.passes

@@ -43,23 +43,24 @@ def wait_healthy(base: str, timeout_s: float, proc: subprocess.Popen | None = No
     heartbeat: in a pod the worker starts beside its vLLM sidecar (no startup probe holds it back), and this
     deadline, not the heartbeat's 30 minutes, is what a load of the verifier gets."""
     deadline = time.monotonic() + timeout_s
-    last = ["no answer"]
+    last = "no answer"
 
     def healthy() -> bool | None:
+        nonlocal last
         try:
             r = httpx.get(f"{base}/health", timeout=5)
             if r.status_code == 200:
                 return True
-            last[0] = f"HTTP {r.status_code}"
+            last = f"HTTP {r.status_code}"
         except httpx.HTTPError as e:
-            last[0] = type(e).__name__
+            last = type(e).__name__
         return None
 
     def failed() -> None:
         if proc is not None and proc.poll() is not None:
             raise Unavailable(f"vllm serve exited with code {proc.returncode} before {base}/health answered")
         if time.monotonic() >= deadline:
-            raise Unavailable(f"server {base} not healthy after {timeout_s:.0f}s ({last[0]}): check the server log, "
+            raise Unavailable(f"server {base} not healthy after {timeout_s:.0f}s ({last}): check the server log, "
                               "or raise health_timeout_s in the recipe")
 
     poll_until(healthy, failed=failed, every_s=HEALTH_EVERY_S, report_s=math.inf)

@@ -2,7 +2,7 @@
 extraction goes on, and the store holds at most `store.window_bytes` of states training has not
 finished with. The layer below extract and train, which never import each other:
 
-- both plan the same shards from the same committed rows (`stream_order`): validation shards
+- both plan the same shards from the same committed rows (`StreamPlan`): validation shards
   first (kept: each epoch's validation reads them), then the training shards, then, with
   `train.later_epochs: re-extract`, the training shards again under a pass suffix for each later
   epoch (prefill again, no generation);
@@ -27,7 +27,6 @@ from eagle_jobs.stream.plan import (  # noqa: F401
     mib,
     num_workers_of,
     pass_name,
-    stream_order,
     worker_stream,
 )
 from eagle_jobs.stream.window import (  # noqa: F401

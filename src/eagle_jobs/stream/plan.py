@@ -54,12 +54,6 @@ def worker_stream(rows: Sequence[RowRef], bytes_per_tok: int, shard_bytes: int, 
     return out
 
 
-def stream_order(rows: Sequence[RowRef], bytes_per_tok: int, shard_bytes: int, num_workers: int,
-                 passes: int) -> list[StreamShard]:
-    """StreamPlan.order of these rows."""
-    return StreamPlan(rows, bytes_per_tok, shard_bytes, num_workers, passes).order
-
-
 @dataclass(frozen=True)
 class StreamPlan:
     """The stream, planned once: every worker's shards and the order they commit and are read in.
